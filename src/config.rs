@@ -1,0 +1,211 @@
+//! The TOML configuration: schema, defaults and validation in one place.
+
+use crate::error::ConfigError;
+use serde::Deserialize;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_CONFIG_PATH: &str = "config/default.toml";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub models: Vec<ModelConfig>,
+}
+
+/// One served model: a checkpoint, optionally as a variant (layer subset, requantized weights).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    /// A `.gguf` file or a Hugging Face directory (`config.json` + `*.safetensors`).
+    /// Relative paths are resolved against the working directory.
+    pub path: PathBuf,
+    /// Size of this model's own compute thread pool.
+    #[serde(default = "default_threads")]
+    pub threads: usize,
+    /// KV cache budget in tokens (summed over all sequences this model holds).
+    #[serde(default = "default_kv_tokens")]
+    pub kv_tokens: usize,
+    #[serde(default)]
+    pub weights: WeightPrecision,
+    /// Decoder layers to run, e.g. `"0-9,20-29"`; all when absent.
+    #[serde(default)]
+    pub layers: Option<String>,
+}
+
+/// Precision of the matmul weights: as stored in the file, or requantized at load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightPrecision {
+    #[default]
+    Stored,
+    F32,
+    Q8_0,
+    Q4_0,
+}
+
+fn default_threads() -> usize {
+    1
+}
+
+fn default_kv_tokens() -> usize {
+    32_768
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let config: Config =
+            toml::from_str(text).map_err(|e| ConfigError::Invalid(e.message().to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.models.is_empty() {
+            return Err(ConfigError::Invalid(
+                "`models` must name at least one model".into(),
+            ));
+        }
+        let mut names = HashSet::new();
+        for model in &self.models {
+            if !names.insert(model.name.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "duplicate model name `{}`",
+                    model.name
+                )));
+            }
+            model.validate()?;
+        }
+        Ok(())
+    }
+
+    pub fn model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models.iter().find(|m| m.name == name)
+    }
+}
+
+impl ModelConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let field = |f: &str, why: &str| {
+            Err(ConfigError::Invalid(format!(
+                "models.{}.{f}: {why}",
+                self.name
+            )))
+        };
+        if self.name.trim().is_empty() {
+            return Err(ConfigError::Invalid("models.name must not be empty".into()));
+        }
+        if self.threads == 0 {
+            return field("threads", "must be at least 1");
+        }
+        if self.kv_tokens == 0 {
+            return field("kv_tokens", "must be at least 1");
+        }
+        if let Some(layers) = &self.layers {
+            if let Err(why) = parse_layer_ranges(layers) {
+                return field("layers", &why);
+            }
+        }
+        Ok(())
+    }
+
+    /// The decoder layers this variant runs, out of `total` in the checkpoint.
+    pub fn layer_indices(&self, total: usize) -> Result<Vec<usize>, ConfigError> {
+        let Some(spec) = &self.layers else {
+            return Ok((0..total).collect());
+        };
+        let layers = parse_layer_ranges(spec)
+            .map_err(|why| ConfigError::Invalid(format!("models.{}.layers: {why}", self.name)))?;
+        if let Some(&bad) = layers.iter().find(|&&l| l >= total) {
+            return Err(ConfigError::Invalid(format!(
+                "models.{}.layers: layer {bad} does not exist (the checkpoint has {total})",
+                self.name
+            )));
+        }
+        Ok(layers)
+    }
+}
+
+/// Parses `"0-9,20,25-29"` into strictly increasing layer indices.
+pub fn parse_layer_ranges(spec: &str) -> Result<Vec<usize>, String> {
+    let mut layers = Vec::new();
+    for part in spec.split(',').map(str::trim) {
+        let (lo, hi) = match part.split_once('-') {
+            Some((lo, hi)) => (lo.trim(), hi.trim()),
+            None => (part, part),
+        };
+        let parse = |s: &str| {
+            s.parse::<usize>()
+                .map_err(|_| format!("`{part}` is not a layer index or range like 3-7"))
+        };
+        let (lo, hi) = (parse(lo)?, parse(hi)?);
+        if lo > hi {
+            return Err(format!("range `{part}` is reversed"));
+        }
+        for layer in lo..=hi {
+            if layers.last().is_some_and(|&last| last >= layer) {
+                return Err(format!(
+                    "layers must be increasing without repeats (at {layer})"
+                ));
+            }
+            layers.push(layer);
+        }
+    }
+    Ok(layers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_ranges_parse_and_reject_bad_specs() {
+        assert_eq!(
+            parse_layer_ranges("0-2, 5,7-8").unwrap(),
+            vec![0, 1, 2, 5, 7, 8]
+        );
+        assert!(parse_layer_ranges("3-1").unwrap_err().contains("reversed"));
+        assert!(parse_layer_ranges("1,1")
+            .unwrap_err()
+            .contains("increasing"));
+        assert!(parse_layer_ranges("a").unwrap_err().contains("not a layer"));
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let err = Config::parse("[[models]]\nname = \"m\"\npath = \"x.gguf\"\nthreads = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("models.m.threads"), "{err}");
+        let err = Config::parse(
+            "[[models]]\nname = \"m\"\npath = \"a\"\n[[models]]\nname = \"m\"\npath = \"b\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("duplicate model name"), "{err}");
+        let err = Config::parse("[[models]]\nname = \"m\"\npath = \"a\"\nweights = \"q2\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("weights") || err.contains("variant"), "{err}");
+    }
+
+    #[test]
+    fn layer_indices_check_the_checkpoint_depth() {
+        let config =
+            Config::parse("[[models]]\nname = \"m\"\npath = \"a\"\nlayers = \"0-3\"\n").unwrap();
+        assert_eq!(config.models[0].layer_indices(4).unwrap(), vec![0, 1, 2, 3]);
+        assert!(config.models[0].layer_indices(3).is_err());
+    }
+}

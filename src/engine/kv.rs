@@ -1,0 +1,185 @@
+//! Per-sequence KV storage for one model, allocated in fixed-size blocks from a token budget.
+//! Reserving happens before a step touches anything, so exhaustion is a typed error the
+//! scheduler can act on (wait, preempt, reject), never a half-applied step.
+
+use crate::error::{EngineError, EngineResult};
+use std::collections::HashMap;
+
+pub type SeqId = u64;
+
+/// Tokens per allocation block.
+pub const BLOCK_TOKENS: usize = 16;
+
+/// One sequence's keys and values: per layer, row-major `[position, kv_heads * head_dim]`.
+pub struct SeqKv {
+    len: usize,
+    blocks: usize,
+    pub keys: Vec<Vec<f32>>,
+    pub values: Vec<Vec<f32>>,
+}
+
+impl SeqKv {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+pub struct KvStore {
+    layers: usize,
+    kv_dim: usize,
+    capacity_blocks: usize,
+    used_blocks: usize,
+    seqs: HashMap<SeqId, SeqKv>,
+}
+
+/// Usage counters, in tokens (block-granular).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct KvUsage {
+    pub used_tokens: usize,
+    pub capacity_tokens: usize,
+    pub sequences: usize,
+}
+
+impl KvStore {
+    pub fn new(layers: usize, kv_dim: usize, kv_tokens: usize) -> Self {
+        Self {
+            layers,
+            kv_dim,
+            capacity_blocks: kv_tokens.div_ceil(BLOCK_TOKENS),
+            used_blocks: 0,
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn usage(&self) -> KvUsage {
+        KvUsage {
+            used_tokens: self.used_blocks * BLOCK_TOKENS,
+            capacity_tokens: self.capacity_blocks * BLOCK_TOKENS,
+            sequences: self.seqs.len(),
+        }
+    }
+
+    /// Tokens sequence `seq` holds (0 when unknown).
+    pub fn seq_len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.len)
+    }
+
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.contains_key(&seq)
+    }
+
+    fn blocks_needed(&self, seq: SeqId, new_tokens: usize) -> usize {
+        let (len, have) = self.seqs.get(&seq).map_or((0, 0), |s| (s.len, s.blocks));
+        (len + new_tokens)
+            .div_ceil(BLOCK_TOKENS)
+            .saturating_sub(have)
+    }
+
+    /// Reserves room for all `(seq, new_tokens)` at once, or nothing.
+    pub fn reserve(&mut self, requests: &[(SeqId, usize)]) -> EngineResult<()> {
+        let needed: usize = requests
+            .iter()
+            .map(|&(seq, n)| self.blocks_needed(seq, n))
+            .sum();
+        let free = self.capacity_blocks - self.used_blocks;
+        if needed > free {
+            return Err(EngineError::KvExhausted {
+                requested: needed * BLOCK_TOKENS,
+                free: free * BLOCK_TOKENS,
+                capacity: self.capacity_blocks * BLOCK_TOKENS,
+            });
+        }
+        for &(seq, n) in requests {
+            let extra = self.blocks_needed(seq, n);
+            let (layers, kv_dim) = (self.layers, self.kv_dim);
+            let entry = self.seqs.entry(seq).or_insert_with(|| SeqKv {
+                len: 0,
+                blocks: 0,
+                keys: vec![Vec::new(); layers],
+                values: vec![Vec::new(); layers],
+            });
+            entry.blocks += extra;
+            let capacity = entry.blocks * BLOCK_TOKENS * kv_dim;
+            for buf in entry.keys.iter_mut().chain(entry.values.iter_mut()) {
+                buf.reserve_exact(capacity - buf.len());
+            }
+            self.used_blocks += extra;
+        }
+        Ok(())
+    }
+
+    pub fn seq_mut(&mut self, seq: SeqId) -> Option<&mut SeqKv> {
+        self.seqs.get_mut(&seq)
+    }
+
+    /// Marks `n` appended positions as committed (after every layer wrote them).
+    pub fn advance(&mut self, seq: SeqId, n: usize) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.len += n;
+            debug_assert!(s.len <= s.blocks * BLOCK_TOKENS);
+        }
+    }
+
+    /// Drops a sequence and returns its blocks to the budget. Unknown ids are a no-op.
+    pub fn free(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            self.used_blocks -= s.blocks;
+        }
+    }
+
+    /// Removes sequences out of the map so a step can write them in parallel; `put_back` returns them.
+    pub fn take(&mut self, seq: SeqId) -> Option<SeqKv> {
+        self.seqs.remove(&seq)
+    }
+
+    pub fn put_back(&mut self, seq: SeqId, kv: SeqKv) {
+        self.seqs.insert(seq, kv);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_is_all_or_nothing_and_free_returns_blocks() {
+        let mut kv = KvStore::new(2, 8, 64);
+        kv.reserve(&[(1, 20), (2, 10)]).unwrap();
+        assert_eq!(kv.usage().used_tokens, 48);
+        let err = kv.reserve(&[(1, 12), (3, 17)]).unwrap_err();
+        assert!(matches!(err, EngineError::KvExhausted { .. }), "{err}");
+        assert_eq!(
+            kv.usage().used_tokens,
+            48,
+            "a failed reservation changes nothing"
+        );
+        assert!(!kv.contains(3));
+        kv.free(1);
+        kv.free(2);
+        kv.free(99);
+        assert_eq!(
+            kv.usage(),
+            KvUsage {
+                used_tokens: 0,
+                capacity_tokens: 64,
+                sequences: 0
+            }
+        );
+    }
+
+    #[test]
+    fn growth_within_a_block_costs_nothing() {
+        let mut kv = KvStore::new(1, 4, 64);
+        kv.reserve(&[(7, 3)]).unwrap();
+        kv.advance(7, 3);
+        kv.reserve(&[(7, 13)]).unwrap();
+        assert_eq!(kv.usage().used_tokens, BLOCK_TOKENS);
+        kv.advance(7, 13);
+        kv.reserve(&[(7, 1)]).unwrap();
+        assert_eq!(kv.usage().used_tokens, 2 * BLOCK_TOKENS);
+    }
+}

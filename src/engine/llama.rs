@@ -1,0 +1,275 @@
+//! The llama / qwen2 / qwen3 decoder, batched over ragged sequences. All rows of a step go
+//! through each weight matmul together (`[rows, hidden] × Wᵀ`); attention runs per sequence
+//! over its own KV. Sequences at different lengths share a step without padding.
+
+use super::kv::{KvStore, SeqId, SeqKv};
+use super::ops;
+use super::weights::{LayerWeights, ModelWeights};
+use crate::error::{EngineError, EngineResult};
+use rayon::prelude::*;
+
+pub struct LlamaModel {
+    pub weights: ModelWeights,
+    /// Inverse rope frequency per pair of head dimensions.
+    inv_freq: Vec<f32>,
+}
+
+/// The last position of one sequence after a step.
+pub struct LastPosition {
+    /// Final hidden state after the output norm, `[hidden]`.
+    pub hidden: Vec<f32>,
+    /// `[vocab]`.
+    pub logits: Vec<f32>,
+}
+
+/// Where one sequence's rows sit in the step's row matrix.
+struct Segment {
+    first_row: usize,
+    rows: usize,
+    first_position: usize,
+}
+
+impl LlamaModel {
+    pub fn new(weights: ModelWeights) -> Self {
+        let hp = &weights.hp;
+        let inv_freq = (0..hp.head_dim / 2)
+            .map(|i| {
+                let base = 1f32 / hp.rope_theta.powf((2 * i) as f32 / hp.head_dim as f32);
+                match &weights.rope_freq_divisors {
+                    Some(div) => base / div[i],
+                    None => base,
+                }
+            })
+            .collect();
+        Self { weights, inv_freq }
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.weights.hp.kv_heads * self.weights.hp.head_dim
+    }
+
+    pub fn layer_count(&self) -> usize {
+        self.weights.layers.len()
+    }
+
+    /// Appends each sequence's tokens to its KV and returns its last position's outputs.
+    /// Validation and KV reservation happen first, so an error leaves every sequence as it was.
+    pub fn forward(
+        &self,
+        kv: &mut KvStore,
+        batch: &[(SeqId, &[u32])],
+    ) -> EngineResult<Vec<LastPosition>> {
+        let hp = &self.weights.hp;
+        let mut segments = Vec::with_capacity(batch.len());
+        let mut total_rows = 0;
+        for (i, &(seq, tokens)) in batch.iter().enumerate() {
+            if tokens.is_empty() {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence {seq} has no tokens"
+                )));
+            }
+            if batch[..i].iter().any(|&(other, _)| other == seq) {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence {seq} appears twice"
+                )));
+            }
+            if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= hp.vocab) {
+                return Err(EngineError::InvalidStep(format!(
+                    "token {bad} is outside the vocabulary of {}",
+                    hp.vocab
+                )));
+            }
+            let first_position = kv.seq_len(seq);
+            if first_position + tokens.len() > hp.context {
+                return Err(EngineError::ContextOverflow {
+                    position: first_position + tokens.len(),
+                    context: hp.context,
+                });
+            }
+            segments.push(Segment {
+                first_row: total_rows,
+                rows: tokens.len(),
+                first_position,
+            });
+            total_rows += tokens.len();
+        }
+        let reservations: Vec<(SeqId, usize)> =
+            batch.iter().map(|&(seq, t)| (seq, t.len())).collect();
+        kv.reserve(&reservations)?;
+
+        let mut caches: Vec<SeqKv> = batch
+            .iter()
+            .map(|&(seq, _)| kv.take(seq).expect("reserved sequences exist"))
+            .collect();
+        let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
+        let positions: Vec<usize> = segments
+            .iter()
+            .flat_map(|s| s.first_position..s.first_position + s.rows)
+            .collect();
+
+        let mut x = self.embed(&tokens);
+        for (layer_idx, layer) in self.weights.layers.iter().enumerate() {
+            self.layer(layer_idx, layer, &mut x, &positions, &segments, &mut caches);
+        }
+        for ((&(seq, t), cache), _) in batch.iter().zip(caches).zip(&segments) {
+            kv.put_back(seq, cache);
+            kv.advance(seq, t.len());
+        }
+
+        let mut last: Vec<f32> = Vec::with_capacity(segments.len() * hp.hidden);
+        for s in &segments {
+            let row = s.first_row + s.rows - 1;
+            last.extend_from_slice(&x[row * hp.hidden..(row + 1) * hp.hidden]);
+        }
+        ops::rms_norm_rows_in_place(&mut last, &self.weights.final_norm, hp.rms_eps);
+        let logits = self.weights.lm_head.matmul(&last, segments.len());
+        Ok(last
+            .chunks(hp.hidden)
+            .zip(logits.chunks(hp.vocab))
+            .map(|(h, l)| LastPosition {
+                hidden: h.to_vec(),
+                logits: l.to_vec(),
+            })
+            .collect())
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let hidden = self.weights.hp.hidden;
+        let mut x = Vec::with_capacity(tokens.len() * hidden);
+        for &t in tokens {
+            let t = t as usize;
+            x.extend_from_slice(&self.weights.embedding[t * hidden..(t + 1) * hidden]);
+        }
+        x
+    }
+
+    fn layer(
+        &self,
+        layer_idx: usize,
+        w: &LayerWeights,
+        x: &mut [f32],
+        positions: &[usize],
+        segments: &[Segment],
+        caches: &mut [SeqKv],
+    ) {
+        let hp = &self.weights.hp;
+        let rows = positions.len();
+        let h = ops::rms_norm_rows(x, &w.attn_norm, hp.rms_eps);
+        let mut q = w.wq.matmul(&h, rows);
+        let mut k = w.wk.matmul(&h, rows);
+        let mut v = w.wv.matmul(&h, rows);
+        for (t, bias) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
+            if let Some(bias) = bias {
+                ops::add_bias_rows(t, bias);
+            }
+        }
+        if let Some(norm) = &w.q_norm {
+            ops::rms_norm_rows_in_place(&mut q, norm, hp.rms_eps);
+        }
+        if let Some(norm) = &w.k_norm {
+            ops::rms_norm_rows_in_place(&mut k, norm, hp.rms_eps);
+        }
+        self.rope(&mut q, positions);
+        self.rope(&mut k, positions);
+
+        let kv_dim = self.kv_dim();
+        for (s, cache) in segments.iter().zip(caches.iter_mut()) {
+            let span = s.first_row * kv_dim..(s.first_row + s.rows) * kv_dim;
+            cache.keys[layer_idx].extend_from_slice(&k[span.clone()]);
+            cache.values[layer_idx].extend_from_slice(&v[span]);
+        }
+        let attn = self.attention(layer_idx, &q, segments, caches);
+        ops::add_in_place(x, &w.wo.matmul(&attn, rows));
+
+        let h = ops::rms_norm_rows(x, &w.ffn_norm, hp.rms_eps);
+        let mut gate = w.w_gate.matmul(&h, rows);
+        let up = w.w_up.matmul(&h, rows);
+        ops::silu_mul_in_place(&mut gate, &up);
+        ops::add_in_place(x, &w.w_down.matmul(&gate, rows));
+    }
+
+    /// Rotates every head of every row by its position.
+    fn rope(&self, x: &mut [f32], positions: &[usize]) {
+        let hd = self.weights.hp.head_dim;
+        let half = hd / 2;
+        let row_len = x.len() / positions.len();
+        let mut cos = vec![0f32; half];
+        let mut sin = vec![0f32; half];
+        for (row, &pos) in x.chunks_mut(row_len).zip(positions) {
+            for i in 0..half {
+                let angle = pos as f32 * self.inv_freq[i];
+                (sin[i], cos[i]) = angle.sin_cos();
+            }
+            for head in row.chunks_mut(hd) {
+                for i in 0..half {
+                    let (a, b) = if self.weights.hp.rope_interleaved {
+                        (2 * i, 2 * i + 1)
+                    } else {
+                        (i, i + half)
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos[i] - x1 * sin[i];
+                    head[b] = x0 * sin[i] + x1 * cos[i];
+                }
+            }
+        }
+    }
+
+    /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`.
+    fn attention(
+        &self,
+        layer_idx: usize,
+        q: &[f32],
+        segments: &[Segment],
+        caches: &[SeqKv],
+    ) -> Vec<f32> {
+        let hp = &self.weights.hp;
+        let (hd, heads) = (hp.head_dim, hp.heads);
+        let group = heads / hp.kv_heads;
+        let q_dim = heads * hd;
+        let kv_dim = self.kv_dim();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let tasks: Vec<(usize, usize)> = (0..segments.len())
+            .flat_map(|s| (0..heads).map(move |h| (s, h)))
+            .collect();
+        let per_task: Vec<Vec<f32>> = tasks
+            .par_iter()
+            .map(|&(s, head)| {
+                let seg = &segments[s];
+                let keys = &caches[s].keys[layer_idx];
+                let values = &caches[s].values[layer_idx];
+                let kv_off = (head / group) * hd;
+                let mut out = vec![0f32; seg.rows * hd];
+                let mut scores = Vec::with_capacity(seg.first_position + seg.rows);
+                for i in 0..seg.rows {
+                    let row = seg.first_row + i;
+                    let qh = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
+                    let visible = seg.first_position + i + 1;
+                    scores.clear();
+                    scores.extend((0..visible).map(|j| {
+                        ops::dot(qh, &keys[j * kv_dim + kv_off..j * kv_dim + kv_off + hd]) * scale
+                    }));
+                    ops::softmax_in_place(&mut scores);
+                    let o = &mut out[i * hd..(i + 1) * hd];
+                    for (j, &p) in scores.iter().enumerate() {
+                        let vj = &values[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
+                        for (od, vd) in o.iter_mut().zip(vj) {
+                            *od += p * vd;
+                        }
+                    }
+                }
+                out
+            })
+            .collect();
+        let rows: usize = segments.iter().map(|s| s.rows).sum();
+        let mut attn = vec![0f32; rows * q_dim];
+        for (&(s, head), out) in tasks.iter().zip(per_task) {
+            let seg = &segments[s];
+            for (i, o) in out.chunks(hd).enumerate() {
+                let row = seg.first_row + i;
+                attn[row * q_dim + head * hd..row * q_dim + (head + 1) * hd].copy_from_slice(o);
+            }
+        }
+        attn
+    }
+}

@@ -1,0 +1,152 @@
+//! Model math, synchronous and actor-free: an `Executor` owns one model's weights, KV cache and
+//! thread pool and runs ragged batched steps.
+
+pub mod chat;
+pub mod generate;
+pub mod kv;
+pub mod llama;
+pub mod ops;
+pub mod qmatmul;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, EngineResult};
+pub use kv::{KvUsage, SeqId};
+use llama::LlamaModel;
+pub use sampling::{LogitStats, SamplingParams};
+use weights::{Hyperparams, ModelWeights};
+
+/// What a policy wants from a step beyond the candidate and its cheap statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Needs {
+    /// The final hidden state of the last position.
+    pub hidden: bool,
+    /// How many of the largest logits to report.
+    pub top_k: usize,
+}
+
+/// One sequence's share of a step: the tokens this model has not seen yet (prompt, handoff
+/// catch-up or one decode token).
+#[derive(Debug, Clone)]
+pub struct SeqWork {
+    pub seq: SeqId,
+    pub tokens: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub needs: Needs,
+}
+
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    pub seq: SeqId,
+    /// Position the candidate would occupy (= tokens the model has now seen).
+    pub position: usize,
+    pub candidate: u32,
+    pub logits: Vec<f32>,
+    pub stats: LogitStats,
+    pub hidden: Option<Vec<f32>>,
+}
+
+pub struct Executor {
+    name: String,
+    model: LlamaModel,
+    kv: kv::KvStore,
+    pool: rayon::ThreadPool,
+}
+
+/// Fails with a clear error where the binary's SIMD baseline is missing on this CPU.
+pub fn ensure_cpu_supported() -> EngineResult<()> {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    {
+        if !std::is_x86_feature_detected!("avx2") {
+            return Err(EngineError::UnsupportedCpu("AVX2"));
+        }
+        if !std::is_x86_feature_detected!("fma") {
+            return Err(EngineError::UnsupportedCpu("FMA"));
+        }
+    }
+    Ok(())
+}
+
+impl Executor {
+    pub fn load(config: &ModelConfig) -> EngineResult<Self> {
+        ensure_cpu_supported()?;
+        let weights = weights::load_weights(config)?;
+        Self::new(&config.name, weights, config.threads, config.kv_tokens)
+    }
+
+    pub fn new(
+        name: &str,
+        weights: ModelWeights,
+        threads: usize,
+        kv_tokens: usize,
+    ) -> EngineResult<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name({
+                let name = name.to_string();
+                move |i| format!("{name}-{i}")
+            })
+            .build()
+            .map_err(|e| EngineError::InvalidStep(format!("thread pool: {e}")))?;
+        let model = LlamaModel::new(weights);
+        let kv = kv::KvStore::new(model.layer_count(), model.kv_dim(), kv_tokens);
+        Ok(Self {
+            name: name.to_string(),
+            model,
+            kv,
+            pool,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn hyperparams(&self) -> &Hyperparams {
+        &self.model.weights.hp
+    }
+
+    pub fn layer_count(&self) -> usize {
+        self.model.layer_count()
+    }
+
+    /// Runs one forward pass over all sequences of `work` on this model's own thread pool.
+    /// On error no sequence has changed.
+    pub fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
+        let batch: Vec<(SeqId, &[u32])> =
+            work.iter().map(|w| (w.seq, w.tokens.as_slice())).collect();
+        let (model, kv) = (&self.model, &mut self.kv);
+        let last = self.pool.install(|| model.forward(kv, &batch))?;
+        Ok(work
+            .iter()
+            .zip(last)
+            .map(|(w, out)| {
+                let position = self.kv.seq_len(w.seq);
+                StepOutput {
+                    seq: w.seq,
+                    position,
+                    candidate: sampling::sample(&out.logits, &w.sampling, position),
+                    stats: sampling::logit_stats(&out.logits, w.needs.top_k),
+                    hidden: w.needs.hidden.then_some(out.hidden),
+                    logits: out.logits,
+                }
+            })
+            .collect())
+    }
+
+    /// Tokens of `seq` this model holds in its KV cache.
+    pub fn seq_len(&self, seq: SeqId) -> usize {
+        self.kv.seq_len(seq)
+    }
+
+    /// Releases a sequence's KV; unknown ids are ignored (freeing is idempotent).
+    pub fn free(&mut self, seq: SeqId) {
+        self.kv.free(seq)
+    }
+
+    pub fn kv_usage(&self) -> KvUsage {
+        self.kv.usage()
+    }
+}

@@ -1,0 +1,198 @@
+//! Token sampling and the cheap logit reductions policies read. Randomness is seeded per
+//! (request seed, position), so a token never depends on batching or on which model drew before.
+
+use super::ops;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 disables top-k.
+    pub top_k: usize,
+    /// 1.0 disables nucleus sampling.
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+}
+
+/// Draws the next token for a sequence whose candidate will sit at `position`.
+pub fn sample(logits: &[f32], params: &SamplingParams, position: usize) -> u32 {
+    if params.is_greedy() || params.top_k == 1 {
+        return ops::argmax(logits) as u32;
+    }
+    let mut candidates: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l / params.temperature))
+        .collect();
+    candidates.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if params.top_k > 0 {
+        candidates.truncate(params.top_k);
+    }
+    let mut probs: Vec<f32> = candidates.iter().map(|c| c.1).collect();
+    ops::softmax_in_place(&mut probs);
+    if params.top_p < 1.0 {
+        let mut mass = 0.0;
+        let keep = probs
+            .iter()
+            .position(|&p| {
+                mass += p;
+                mass >= params.top_p
+            })
+            .map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+    }
+    let total: f32 = probs.iter().sum();
+    let mut rng = StdRng::seed_from_u64(mix(params.seed, position as u64));
+    let mut draw = rng.gen::<f32>() * total;
+    for (i, &p) in probs.iter().enumerate() {
+        if draw < p {
+            return candidates[i].0;
+        }
+        draw -= p;
+    }
+    candidates[probs.len() - 1].0
+}
+
+/// SplitMix64 of the pair, so neighbouring positions get unrelated streams.
+fn mix(seed: u64, position: u64) -> u64 {
+    let mut z = seed ^ position.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Reductions of the next-token distribution (temperature 1) that routing rules use.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LogitStats {
+    /// Shannon entropy in nats.
+    pub entropy: f32,
+    pub max_prob: f32,
+    /// The `k` largest logits as `(token, logit)`, largest first; empty unless asked for.
+    pub top_k: Vec<(u32, f32)>,
+}
+
+pub fn logit_stats(logits: &[f32], top_k: usize) -> LogitStats {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum_exp: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+    let log_z = max + sum_exp.ln();
+    let entropy = -logits
+        .iter()
+        .map(|&l| {
+            let logp = l - log_z;
+            logp.exp() * logp
+        })
+        .sum::<f32>();
+    let mut top: Vec<(u32, f32)> = Vec::new();
+    if top_k > 0 {
+        let mut all: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        let k = top_k.min(all.len());
+        let cmp = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        all.select_nth_unstable_by(k - 1, cmp);
+        all.truncate(k);
+        all.sort_by(cmp);
+        top = all;
+    }
+    LogitStats {
+        entropy: entropy.max(0.0),
+        max_prob: 1.0 / sum_exp,
+        top_k: top,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect()
+    }
+
+    #[test]
+    fn greedy_picks_the_first_maximum() {
+        assert_eq!(
+            sample(&[0.1, 2.0, 2.0, 1.0], &SamplingParams::greedy(), 0),
+            1
+        );
+    }
+
+    #[test]
+    fn same_seed_and_position_same_token_and_seeds_differ() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 42,
+        };
+        let a: Vec<u32> = (0..64).map(|p| sample(&logits(), &params, p)).collect();
+        let b: Vec<u32> = (0..64).map(|p| sample(&logits(), &params, p)).collect();
+        assert_eq!(a, b);
+        let other = SamplingParams { seed: 43, ..params };
+        let c: Vec<u32> = (0..64).map(|p| sample(&logits(), &other, p)).collect();
+        assert_ne!(a, c, "a different seed must change some draws");
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        let l = logits();
+        let mut order: Vec<usize> = (0..l.len()).collect();
+        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        let top3: Vec<u32> = order[..3].iter().map(|&i| i as u32).collect();
+        let params = SamplingParams {
+            temperature: 1.5,
+            top_k: 3,
+            top_p: 1.0,
+            seed: 1,
+        };
+        for p in 0..200 {
+            assert!(top3.contains(&sample(&l, &params, p)));
+        }
+        let nucleus = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1e-6,
+            seed: 9,
+        };
+        for p in 0..50 {
+            assert_eq!(sample(&l, &nucleus, p), order[0] as u32);
+        }
+    }
+
+    #[test]
+    fn stats_of_uniform_and_peaked_distributions() {
+        let uniform = logit_stats(&[0.0; 8], 2);
+        assert!((uniform.entropy - 8f32.ln()).abs() < 1e-5);
+        assert!((uniform.max_prob - 0.125).abs() < 1e-6);
+        assert_eq!(uniform.top_k, vec![(0, 0.0), (1, 0.0)]);
+        let peaked = logit_stats(&[0.0, 100.0, 0.0], 1);
+        assert!(peaked.entropy < 1e-3 && peaked.max_prob > 0.999);
+        assert_eq!(peaked.top_k, vec![(1, 100.0)]);
+    }
+}

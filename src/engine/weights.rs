@@ -1,0 +1,590 @@
+//! Loading checkpoints: GGUF (quantized tensors stay quantized) and Hugging Face directories
+//! (`config.json` + `*.safetensors`). Both are read through one `TensorStore` keyed by the
+//! GGUF tensor names, so the model code sees a single layout.
+
+use super::qmatmul::QWeight;
+use crate::config::{ModelConfig, WeightPrecision};
+use crate::error::{EngineError, EngineResult};
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Architecture {
+    pub fn parse(name: &str) -> EngineResult<Self> {
+        match name {
+            "llama" | "LlamaForCausalLM" => Ok(Self::Llama),
+            "qwen2" | "Qwen2ForCausalLM" => Ok(Self::Qwen2),
+            "qwen3" | "Qwen3ForCausalLM" => Ok(Self::Qwen3),
+            other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
+        }
+    }
+}
+
+/// Shape and numerics of a decoder-only transformer, read from the checkpoint.
+#[derive(Debug, Clone)]
+pub struct Hyperparams {
+    pub arch: Architecture,
+    pub hidden: usize,
+    pub intermediate: usize,
+    /// Decoder layers in the checkpoint (a variant may run fewer).
+    pub checkpoint_layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    /// GGUF llama checkpoints store q/k permuted for rotation of adjacent pairs; every other
+    /// layout rotates the two halves of a head (`rotate_half`).
+    pub rope_interleaved: bool,
+    pub context: usize,
+}
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: QWeight,
+    pub wk: QWeight,
+    pub wv: QWeight,
+    pub wo: QWeight,
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// Qwen3's per-head RMS norms of q and k.
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: QWeight,
+    pub w_up: QWeight,
+    pub w_down: QWeight,
+}
+
+pub struct ModelWeights {
+    pub hp: Hyperparams,
+    /// Row-major `[vocab, hidden]`, dequantized once: lookups are row copies.
+    pub embedding: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    pub lm_head: QWeight,
+    /// Per-frequency divisors (Llama 3.1 rope scaling); `None` for plain rope.
+    pub rope_freq_divisors: Option<Vec<f32>>,
+}
+
+/// What a model entry points at, resolved from the file system.
+pub enum CheckpointFormat {
+    Gguf(PathBuf),
+    HuggingFace(PathBuf),
+}
+
+impl CheckpointFormat {
+    pub fn detect(path: &Path) -> EngineResult<Self> {
+        if !path.exists() {
+            return Err(EngineError::MissingFile(path.to_path_buf()));
+        }
+        if path.is_dir() {
+            Ok(Self::HuggingFace(path.to_path_buf()))
+        } else {
+            Ok(Self::Gguf(path.to_path_buf()))
+        }
+    }
+}
+
+/// Tensor access by GGUF name, whatever the file format.
+trait TensorStore {
+    fn get(&mut self, gguf_name: &str) -> EngineResult<Option<QTensor>>;
+}
+
+struct GgufStore {
+    path: PathBuf,
+    content: gguf_file::Content,
+    reader: BufReader<File>,
+}
+
+impl TensorStore for GgufStore {
+    fn get(&mut self, name: &str) -> EngineResult<Option<QTensor>> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        self.content
+            .tensor(&mut self.reader, name, &Device::Cpu)
+            .map(Some)
+            .map_err(|e| invalid(&self.path, format!("tensor `{name}`: {e}")))
+    }
+}
+
+struct SafetensorsStore {
+    tensors: MmapedSafetensors,
+    names: std::collections::HashSet<String>,
+}
+
+impl TensorStore for SafetensorsStore {
+    fn get(&mut self, gguf_name: &str) -> EngineResult<Option<QTensor>> {
+        let name = hf_tensor_name(gguf_name);
+        if !self.names.contains(&name) {
+            return Ok(None);
+        }
+        let tensor = self
+            .tensors
+            .load(&name, &Device::Cpu)?
+            .to_dtype(DType::F32)?;
+        Ok(Some(QTensor::quantize(&tensor, GgmlDType::F32)?))
+    }
+}
+
+/// Maps a GGUF tensor name to its Hugging Face transformers name.
+fn hf_tensor_name(gguf_name: &str) -> String {
+    let fixed = match gguf_name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(name) = fixed {
+        return name.to_string();
+    }
+    let Some(rest) = gguf_name.strip_prefix("blk.") else {
+        return gguf_name.to_string();
+    };
+    let (layer, tensor) = rest.split_once('.').unwrap_or((rest, ""));
+    let (base, suffix) = tensor.rsplit_once('.').unwrap_or((tensor, ""));
+    let hf = match base {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        other => other,
+    };
+    format!("model.layers.{layer}.{hf}.{suffix}")
+}
+
+fn invalid(path: &Path, message: impl Into<String>) -> EngineError {
+    EngineError::InvalidModel {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// Opens a GGUF file's header (metadata + tensor directory) without reading tensor data.
+pub fn read_gguf(path: &Path) -> EngineResult<(gguf_file::Content, BufReader<File>)> {
+    if !path.exists() {
+        return Err(EngineError::MissingFile(path.to_path_buf()));
+    }
+    let file = File::open(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut reader = BufReader::new(file);
+    let content = gguf_file::Content::read(&mut reader)
+        .map_err(|e| invalid(path, format!("not a readable GGUF file ({e})")))?;
+    Ok((content, reader))
+}
+
+fn gguf_hyperparams(path: &Path, content: &gguf_file::Content) -> EngineResult<Hyperparams> {
+    let md = &content.metadata;
+    let arch_name = md
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .ok_or_else(|| invalid(path, "missing `general.architecture`"))?;
+    let arch = Architecture::parse(arch_name)?;
+    let int = |key: &str| -> EngineResult<usize> {
+        let full = format!("{arch_name}.{key}");
+        md.get(&full)
+            .and_then(|v| v.to_u64().ok().or_else(|| v.to_u32().ok().map(u64::from)))
+            .map(|v| v as usize)
+            .ok_or_else(|| invalid(path, format!("missing or non-integer `{full}`")))
+    };
+    let float = |key: &str, default: f32| -> f32 {
+        md.get(&format!("{arch_name}.{key}"))
+            .and_then(|v| v.to_f32().ok())
+            .unwrap_or(default)
+    };
+    let hidden = int("embedding_length")?;
+    let heads = int("attention.head_count")?;
+    let vocab = content
+        .tensor_infos
+        .get("token_embd.weight")
+        .map(|t| t.shape.dims()[0])
+        .ok_or_else(|| invalid(path, "missing tensor `token_embd.weight`"))?;
+    Ok(Hyperparams {
+        arch,
+        hidden,
+        intermediate: int("feed_forward_length")?,
+        checkpoint_layers: int("block_count")?,
+        heads,
+        kv_heads: int("attention.head_count_kv").unwrap_or(heads),
+        head_dim: int("attention.key_length").unwrap_or(hidden / heads),
+        vocab,
+        rms_eps: float("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta: float("rope.freq_base", 10_000.0),
+        rope_interleaved: arch == Architecture::Llama,
+        context: int("context_length").unwrap_or(4096),
+    })
+}
+
+/// The fields of a Hugging Face `config.json` that the forward pass needs.
+#[derive(serde::Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    model_type: Option<String>,
+    #[serde(default)]
+    architectures: Vec<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    #[serde(default = "default_rms_eps")]
+    rms_norm_eps: f32,
+    #[serde(default = "default_rope_theta")]
+    rope_theta: f32,
+    #[serde(default = "default_context")]
+    max_position_embeddings: usize,
+    #[serde(default)]
+    rope_scaling: Option<RopeScaling>,
+}
+
+#[derive(serde::Deserialize)]
+struct RopeScaling {
+    #[serde(default, alias = "type")]
+    rope_type: Option<String>,
+    #[serde(default)]
+    factor: f32,
+    #[serde(default)]
+    low_freq_factor: f32,
+    #[serde(default)]
+    high_freq_factor: f32,
+    #[serde(default)]
+    original_max_position_embeddings: usize,
+}
+
+fn default_rms_eps() -> f32 {
+    1e-6
+}
+fn default_rope_theta() -> f32 {
+    10_000.0
+}
+fn default_context() -> usize {
+    4096
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> EngineResult<T> {
+    let text = std::fs::read_to_string(path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            EngineError::MissingFile(path.to_path_buf())
+        } else {
+            EngineError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    })?;
+    serde_json::from_str(&text).map_err(|e| invalid(path, e.to_string()))
+}
+
+fn hf_hyperparams(dir: &Path) -> EngineResult<(Hyperparams, Option<Vec<f32>>)> {
+    let path = dir.join("config.json");
+    let cfg: HfConfig = read_json(&path)?;
+    let arch_name = cfg
+        .model_type
+        .clone()
+        .or_else(|| cfg.architectures.first().cloned())
+        .ok_or_else(|| invalid(&path, "neither `model_type` nor `architectures` is set"))?;
+    let arch = Architecture::parse(&arch_name)?;
+    let head_dim = cfg
+        .head_dim
+        .unwrap_or(cfg.hidden_size / cfg.num_attention_heads);
+    let hp = Hyperparams {
+        arch,
+        hidden: cfg.hidden_size,
+        intermediate: cfg.intermediate_size,
+        checkpoint_layers: cfg.num_hidden_layers,
+        heads: cfg.num_attention_heads,
+        kv_heads: cfg.num_key_value_heads.unwrap_or(cfg.num_attention_heads),
+        head_dim,
+        vocab: cfg.vocab_size,
+        rms_eps: cfg.rms_norm_eps,
+        rope_theta: cfg.rope_theta,
+        rope_interleaved: false,
+        context: cfg.max_position_embeddings,
+    };
+    let divisors = match &cfg.rope_scaling {
+        Some(s) if s.rope_type.as_deref() == Some("llama3") => {
+            Some(llama3_freq_divisors(s, head_dim, cfg.rope_theta))
+        }
+        _ => None,
+    };
+    Ok((hp, divisors))
+}
+
+/// Llama 3.1's frequency-dependent rope scaling, expressed as a divisor per frequency.
+fn llama3_freq_divisors(s: &RopeScaling, head_dim: usize, theta: f32) -> Vec<f32> {
+    let low_wavelen = s.original_max_position_embeddings as f32 / s.low_freq_factor;
+    let high_wavelen = s.original_max_position_embeddings as f32 / s.high_freq_factor;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = theta.powf(-((2 * i) as f32) / head_dim as f32);
+            let wavelen = 2.0 * std::f32::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                s.factor
+            } else {
+                let smooth = (s.original_max_position_embeddings as f32 / wavelen
+                    - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                1.0 / ((1.0 - smooth) / s.factor + smooth)
+            }
+        })
+        .collect()
+}
+
+fn safetensors_files(dir: &Path) -> EngineResult<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).map_err(|source| EngineError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(invalid(dir, "no *.safetensors files"));
+    }
+    Ok(files)
+}
+
+/// Loads the weights a model entry asks for (its layer subset, at its precision).
+pub fn load_weights(config: &ModelConfig) -> EngineResult<ModelWeights> {
+    match CheckpointFormat::detect(&config.path)? {
+        CheckpointFormat::Gguf(path) => {
+            let (content, reader) = read_gguf(&path)?;
+            let hp = gguf_hyperparams(&path, &content)?;
+            let mut store = GgufStore {
+                path: path.clone(),
+                content,
+                reader,
+            };
+            let divisors = store
+                .get("rope_freqs.weight")?
+                .map(|t| dense(&path, "rope_freqs.weight", &t))
+                .transpose()?;
+            assemble(&mut store, &path, hp, divisors, config)
+        }
+        CheckpointFormat::HuggingFace(dir) => {
+            let (hp, divisors) = hf_hyperparams(&dir)?;
+            let files = safetensors_files(&dir)?;
+            // SAFETY: the files are memory-mapped read-only; tokenrouter never writes them and
+            // a concurrent writer is a misuse of the model directory.
+            let tensors = unsafe { MmapedSafetensors::multi(&files) }
+                .map_err(|e| invalid(&dir, format!("unreadable safetensors: {e}")))?;
+            let names = tensors.tensors().into_iter().map(|(n, _)| n).collect();
+            let mut store = SafetensorsStore { tensors, names };
+            assemble(&mut store, &dir, hp, divisors, config)
+        }
+    }
+}
+
+fn dense(path: &Path, name: &str, t: &QTensor) -> EngineResult<Vec<f32>> {
+    t.dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()
+        .map_err(|e| invalid(path, format!("tensor `{name}`: {e}")))
+}
+
+fn assemble(
+    store: &mut dyn TensorStore,
+    path: &Path,
+    hp: Hyperparams,
+    rope_freq_divisors: Option<Vec<f32>>,
+    config: &ModelConfig,
+) -> EngineResult<ModelWeights> {
+    let layer_ids = config
+        .layer_indices(hp.checkpoint_layers)
+        .map_err(|e| invalid(path, e.to_string()))?;
+    let progress = ProgressBar::new((layer_ids.len() + 2) as u64).with_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers")
+            .expect("static progress template"),
+    );
+    progress.set_message(format!("loading {}", config.name));
+    let mut loader = Loader {
+        store,
+        path,
+        precision: config.weights,
+    };
+    let q_dim = hp.heads * hp.head_dim;
+    let kv_dim = hp.kv_heads * hp.head_dim;
+    let embedding_q = loader.required("token_embd.weight", &[hp.vocab, hp.hidden])?;
+    let embedding = embedding_q
+        .dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let lm_head = match loader.optional_tensor("output.weight")? {
+        Some(t) => loader.matrix("output.weight", t, &[hp.vocab, hp.hidden])?,
+        None => loader.matrix("token_embd.weight", embedding_q, &[hp.vocab, hp.hidden])?,
+    };
+    let final_norm = loader.vector("output_norm.weight", hp.hidden)?;
+    progress.inc(2);
+    let mut layers = Vec::with_capacity(layer_ids.len());
+    for &i in &layer_ids {
+        let name = |t: &str| format!("blk.{i}.{t}");
+        let qk_norm = hp.arch == Architecture::Qwen3;
+        layers.push(LayerWeights {
+            attn_norm: loader.vector(&name("attn_norm.weight"), hp.hidden)?,
+            wq: loader.weight(&name("attn_q.weight"), q_dim, hp.hidden)?,
+            wk: loader.weight(&name("attn_k.weight"), kv_dim, hp.hidden)?,
+            wv: loader.weight(&name("attn_v.weight"), kv_dim, hp.hidden)?,
+            wo: loader.weight(&name("attn_output.weight"), hp.hidden, q_dim)?,
+            bq: loader.optional_vector(&name("attn_q.bias"), q_dim)?,
+            bk: loader.optional_vector(&name("attn_k.bias"), kv_dim)?,
+            bv: loader.optional_vector(&name("attn_v.bias"), kv_dim)?,
+            q_norm: if qk_norm {
+                Some(loader.vector(&name("attn_q_norm.weight"), hp.head_dim)?)
+            } else {
+                None
+            },
+            k_norm: if qk_norm {
+                Some(loader.vector(&name("attn_k_norm.weight"), hp.head_dim)?)
+            } else {
+                None
+            },
+            ffn_norm: loader.vector(&name("ffn_norm.weight"), hp.hidden)?,
+            w_gate: loader.weight(&name("ffn_gate.weight"), hp.intermediate, hp.hidden)?,
+            w_up: loader.weight(&name("ffn_up.weight"), hp.intermediate, hp.hidden)?,
+            w_down: loader.weight(&name("ffn_down.weight"), hp.hidden, hp.intermediate)?,
+        });
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    Ok(ModelWeights {
+        hp,
+        embedding,
+        layers,
+        final_norm,
+        lm_head,
+        rope_freq_divisors,
+    })
+}
+
+/// Reads tensors with shape checks and applies the variant's precision to matrices.
+struct Loader<'a> {
+    store: &'a mut dyn TensorStore,
+    path: &'a Path,
+    precision: WeightPrecision,
+}
+
+impl Loader<'_> {
+    fn optional_tensor(&mut self, name: &str) -> EngineResult<Option<QTensor>> {
+        self.store.get(name)
+    }
+
+    fn required(&mut self, name: &str, shape: &[usize]) -> EngineResult<QTensor> {
+        let t = self
+            .store
+            .get(name)?
+            .ok_or_else(|| invalid(self.path, format!("missing tensor `{name}`")))?;
+        check_shape(name, t.shape().dims(), shape)?;
+        Ok(t)
+    }
+
+    fn matrix(&mut self, name: &str, t: QTensor, shape: &[usize]) -> EngineResult<QWeight> {
+        check_shape(name, t.shape().dims(), shape)?;
+        QWeight::from_qtensor(name, &t)?.requantize(name, self.precision)
+    }
+
+    fn weight(&mut self, name: &str, n_out: usize, k_in: usize) -> EngineResult<QWeight> {
+        let t = self.required(name, &[n_out, k_in])?;
+        self.matrix(name, t, &[n_out, k_in])
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> EngineResult<Vec<f32>> {
+        let t = self.required(name, &[len])?;
+        dense(self.path, name, &t)
+    }
+
+    fn optional_vector(&mut self, name: &str, len: usize) -> EngineResult<Option<Vec<f32>>> {
+        match self.store.get(name)? {
+            Some(t) => {
+                check_shape(name, t.shape().dims(), &[len])?;
+                Ok(Some(dense(self.path, name, &t)?))
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> EngineResult<()> {
+    if actual != expected {
+        return Err(EngineError::ShapeMismatch {
+            name: name.to_string(),
+            actual: actual.to_vec(),
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// Summary of a checkpoint for `models list`, read from headers only.
+pub fn describe(path: &Path) -> EngineResult<HashMap<&'static str, String>> {
+    let mut out = HashMap::new();
+    match CheckpointFormat::detect(path)? {
+        CheckpointFormat::Gguf(path) => {
+            let (content, _) = read_gguf(&path)?;
+            let hp = gguf_hyperparams(&path, &content)?;
+            out.insert("format", "gguf".to_string());
+            out.insert("architecture", format!("{:?}", hp.arch).to_lowercase());
+            out.insert("layers", hp.checkpoint_layers.to_string());
+        }
+        CheckpointFormat::HuggingFace(dir) => {
+            let (hp, _) = hf_hyperparams(&dir)?;
+            out.insert("format", "huggingface".to_string());
+            out.insert("architecture", format!("{:?}", hp.arch).to_lowercase());
+            out.insert("layers", hp.checkpoint_layers.to_string());
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gguf_names_map_to_transformers_names() {
+        assert_eq!(
+            hf_tensor_name("blk.3.attn_q.bias"),
+            "model.layers.3.self_attn.q_proj.bias"
+        );
+        assert_eq!(
+            hf_tensor_name("blk.0.ffn_norm.weight"),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(
+            hf_tensor_name("blk.1.attn_k_norm.weight"),
+            "model.layers.1.self_attn.k_norm.weight"
+        );
+        assert_eq!(hf_tensor_name("output.weight"), "lm_head.weight");
+    }
+}

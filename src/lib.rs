@@ -1,0 +1,7 @@
+//! tokenrouter: a serving runtime for token-level model routing.
+
+pub mod bench;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod fetch;

@@ -1,0 +1,337 @@
+//! Command line: generate | bench | models (DESIGN §11).
+
+use anyhow::{anyhow, Context};
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+use std::path::PathBuf;
+use tokenrouter::bench;
+use tokenrouter::config::{Config, ModelConfig, DEFAULT_CONFIG_PATH};
+use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
+use tokenrouter::engine::generate::generate;
+use tokenrouter::engine::tokenizer::ModelTokenizer;
+use tokenrouter::engine::{weights, Executor, SamplingParams};
+use tokenrouter::fetch;
+
+#[derive(Parser)]
+#[command(
+    name = "tokenrouter",
+    version,
+    about = "Serving runtime for token-level model routing"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text for one prompt.
+    Generate(GenerateArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// List or fetch the configured models.
+    #[command(subcommand)]
+    Models(ModelsCommand),
+}
+
+#[derive(Args)]
+struct ConfigArg {
+    #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// A model name from the config (served alone); defaults to the first model.
+    #[arg(long)]
+    policy: Option<String>,
+    #[arg(
+        long,
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
+    prompt: Option<String>,
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Wrap the prompt as a user message in the model's own chat template.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object instead of the text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Decode-step time per batch size and prefill rate of one model.
+    Engine(BenchEngineArgs),
+    /// Greedy agreement and step-cost ratio of a model against a reference model.
+    Pair(BenchPairArgs),
+}
+
+#[derive(Args)]
+struct BenchEngineArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    batch: Vec<usize>,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    /// Context tokens per sequence before timing (row i gets 3·i more: a ragged batch).
+    #[arg(long, default_value_t = 64)]
+    context: usize,
+    #[arg(long, default_value_t = 512)]
+    prefill_tokens: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchPairArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Candidate (cheap) models, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    model: Vec<String>,
+    /// The reference model; defaults to the first model in the config.
+    #[arg(long)]
+    reference: Option<String>,
+    /// Generated positions per prompt.
+    #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum ModelsCommand {
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fetch the shipped checkpoint(s) the config names, when missing.
+    Fetch {
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => run_generate(args),
+        Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
+        Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
+        Command::Models(ModelsCommand::List { config, json }) => run_models_list(&config, json),
+        Command::Models(ModelsCommand::Fetch { config }) => {
+            load_config(&config).and_then(|c| fetch::ensure_models_present(&c))
+        }
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn load_config(arg: &ConfigArg) -> anyhow::Result<Config> {
+    Ok(Config::load(&arg.config)?)
+}
+
+/// Loads the config and fetches the shipped checkpoint when missing.
+fn ready_config(arg: &ConfigArg) -> anyhow::Result<Config> {
+    let config = load_config(arg)?;
+    fetch::ensure_models_present(&config)?;
+    Ok(config)
+}
+
+fn pick_model<'a>(config: &'a Config, name: Option<&str>) -> anyhow::Result<&'a ModelConfig> {
+    match name {
+        None => Ok(&config.models[0]),
+        Some(name) => config.model(name).ok_or_else(|| {
+            let known: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
+            anyhow!(
+                "unknown model or policy `{name}` (known: {})",
+                known.join(", ")
+            )
+        }),
+    }
+}
+
+fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        anyhow::bail!("--temperature must be a finite number >= 0");
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        anyhow::bail!("--top-p must be in (0, 1]");
+    }
+    let config = ready_config(&args.config)?;
+    let model = pick_model(&config, args.policy.as_deref())?;
+    let prompt = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read --prompt-file {}", file.display()))?,
+        (None, None) => unreachable!("clap requires one of them"),
+    };
+    let tokenizer = ModelTokenizer::load(&model.path)?;
+    let text = if args.chat {
+        ChatTemplate::for_model(&tokenizer)?.render(&[ChatMessage::user(prompt)], true)?
+    } else {
+        prompt
+    };
+    let ids = tokenizer.encode(&text)?;
+    let mut executor = Executor::load(model)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let out = generate(
+        &mut executor,
+        0,
+        &ids,
+        args.max_tokens,
+        sampling,
+        &tokenizer.eos,
+    )?;
+    let text = tokenizer.decode(&out.token_ids, true)?;
+    if args.json {
+        let total_s = out.total.as_secs_f64();
+        let report = json!({
+            "text": text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "routing": {
+                "policy": model.name,
+                "tokens_per_model": { model.name.clone(): out.token_ids.len() },
+                "handoffs": 0,
+            },
+            "timing": {
+                "ttft_ms": out.time_to_first_token.as_secs_f64() * 1e3,
+                "total_ms": total_s * 1e3,
+                "tokens_per_s": out.token_ids.len() as f64 / total_s.max(1e-9),
+            },
+        });
+        println!("{report}");
+    } else {
+        println!("{text}");
+    }
+    Ok(())
+}
+
+fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
+    if args.batch.is_empty() || args.batch.contains(&0) || args.steps == 0 {
+        anyhow::bail!("--batch needs positive sizes and --steps must be at least 1");
+    }
+    let config = ready_config(&args.config)?;
+    let model = pick_model(&config, args.model.as_deref())?;
+    let mut executor = Executor::load(model)?;
+    let settings = bench::engine::EngineBenchSettings {
+        batches: args.batch,
+        steps: args.steps,
+        context: args.context,
+        prefill_tokens: args.prefill_tokens.max(1),
+    };
+    let weights = serde_json::to_value(model.weights)?;
+    let weights = weights.as_str().unwrap_or("stored");
+    let report = bench::engine::run(&mut executor, model.threads, weights, &settings)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.markdown());
+    }
+    Ok(())
+}
+
+fn run_bench_pair(args: BenchPairArgs) -> anyhow::Result<()> {
+    let config = ready_config(&args.config)?;
+    let reference_cfg = pick_model(&config, args.reference.as_deref())?;
+    let candidates: Vec<&ModelConfig> = if args.model.is_empty() {
+        config
+            .models
+            .iter()
+            .filter(|m| m.name != reference_cfg.name)
+            .collect()
+    } else {
+        args.model
+            .iter()
+            .map(|n| pick_model(&config, Some(n)))
+            .collect::<anyhow::Result<_>>()?
+    };
+    let tokenizer = ModelTokenizer::load(&reference_cfg.path)?;
+    let mut reference = Executor::load(reference_cfg)?;
+    let mut reports = Vec::new();
+    for candidate in candidates {
+        let mut model = Executor::load(candidate)?;
+        let report = bench::pair::run(&mut model, &mut reference, &tokenizer, args.tokens)?;
+        if !args.json {
+            println!(
+                "{:<28} agreement {:>5.1}% over {} positions; step {:.2} ms vs {:.2} ms (cost ratio {:.2})",
+                report.model,
+                report.agreement * 100.0,
+                report.positions,
+                report.model_step_ms,
+                report.reference_step_ms,
+                report.cost_ratio
+            );
+        }
+        reports.push(report);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&reports)?);
+    }
+    Ok(())
+}
+
+fn run_models_list(arg: &ConfigArg, as_json: bool) -> anyhow::Result<()> {
+    let config = load_config(arg)?;
+    let mut rows = Vec::new();
+    for m in &config.models {
+        let info = weights::describe(&m.path);
+        rows.push(json!({
+            "name": m.name,
+            "path": m.path,
+            "present": m.path.exists(),
+            "weights": m.weights,
+            "layers": m.layers.as_deref().unwrap_or("all"),
+            "threads": m.threads,
+            "kv_tokens": m.kv_tokens,
+            "checkpoint": info.as_ref().ok(),
+            "error": info.as_ref().err().map(|e| e.to_string()),
+        }));
+    }
+    if as_json {
+        println!("{}", serde_json::Value::Array(rows));
+    } else {
+        for r in rows {
+            println!(
+                "{:<24} {:<8} layers={:<12} present={} {}",
+                r["name"].as_str().unwrap_or_default(),
+                r["weights"].as_str().unwrap_or_default(),
+                r["layers"].as_str().unwrap_or_default(),
+                r["present"],
+                r["path"].as_str().unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}

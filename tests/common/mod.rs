@@ -1,0 +1,401 @@
+//! Tiny random-weight models written by the tests themselves (GGUF and Hugging Face
+//! directories), so the real loading code runs on every machine without downloads.
+#![allow(dead_code)]
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, Tokenizer};
+
+pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+pub const EOS_ID: u32 = 2;
+pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Merges of a tiny byte-level BPE (GPT-2 alphabet, `Ġ` = space).
+const MERGES: &[(&str, &str)] = &[
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġ", "s"),
+    ("r", "e"),
+    ("a", "t"),
+    ("e", "n"),
+    ("Ġ", "w"),
+    ("o", "r"),
+    ("Ġ", "c"),
+    ("in", "g"),
+    ("Ġ", "o"),
+    ("Ġ", "b"),
+    ("Ġ", "m"),
+    ("l", "l"),
+    ("Ġ", "p"),
+];
+
+/// The tiny vocabulary: special tokens, the 256 byte symbols, then one token per merge.
+pub fn tiny_vocab() -> (Vec<String>, Vec<(String, String)>) {
+    let mut tokens: Vec<String> = SPECIAL_TOKENS.iter().map(|s| s.to_string()).collect();
+    let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+    alphabet.sort();
+    tokens.extend(alphabet.iter().map(|c| c.to_string()));
+    let merges: Vec<(String, String)> = MERGES
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    tokens.extend(merges.iter().map(|(a, b)| format!("{a}{b}")));
+    (tokens, merges)
+}
+
+/// The same tokenizer as a `tokenizers::Tokenizer` (written as `tokenizer.json`).
+pub fn tiny_tokenizer() -> Tokenizer {
+    let (tokens, merges) = tiny_vocab();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .unwrap();
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![
+        Digits::new(true).into(),
+        ByteLevel::new(false, true, true).into(),
+    ])));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS
+        .iter()
+        .map(|s| AddedToken::from(s.to_string(), true))
+        .collect();
+    tokenizer.add_special_tokens(specials).unwrap();
+    tokenizer
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct TinySpec {
+    pub arch: Arch,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub layers: usize,
+    pub tied: bool,
+    pub seed: u64,
+}
+
+impl TinySpec {
+    pub fn new(arch: Arch) -> Self {
+        Self {
+            arch,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            // Qwen3 checkpoints decouple head_dim from hidden / heads; exercise that.
+            head_dim: if arch == Arch::Qwen3 { 32 } else { 16 },
+            ffn: 128,
+            layers: 3,
+            tied: arch != Arch::Qwen2,
+            seed: 17,
+        }
+    }
+
+    pub fn vocab(&self) -> usize {
+        tiny_vocab().0.len()
+    }
+}
+
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+    fn tensor(&mut self, shape: &[usize], scale: f32, offset: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| offset + scale * self.next()).collect();
+        Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+    }
+}
+
+/// Random weights under their Hugging Face names.
+pub fn tiny_weights(spec: &TinySpec) -> HashMap<String, Tensor> {
+    let mut rng = Lcg(spec.seed);
+    let mut w = HashMap::new();
+    let (h, q_dim, kv_dim) = (
+        spec.hidden,
+        spec.heads * spec.head_dim,
+        spec.kv_heads * spec.head_dim,
+    );
+    w.insert(
+        "model.embed_tokens.weight".into(),
+        rng.tensor(&[spec.vocab(), h], 0.5, 0.0),
+    );
+    w.insert("model.norm.weight".into(), rng.tensor(&[h], 0.1, 1.0));
+    if !spec.tied {
+        w.insert(
+            "lm_head.weight".into(),
+            rng.tensor(&[spec.vocab(), h], 0.3, 0.0),
+        );
+    }
+    for l in 0..spec.layers {
+        let p = format!("model.layers.{l}");
+        let mut put = |name: &str, t: Tensor| {
+            w.insert(format!("{p}.{name}"), t);
+        };
+        put("input_layernorm.weight", rng.tensor(&[h], 0.1, 1.0));
+        put(
+            "post_attention_layernorm.weight",
+            rng.tensor(&[h], 0.1, 1.0),
+        );
+        put(
+            "self_attn.q_proj.weight",
+            rng.tensor(&[q_dim, h], 0.25, 0.0),
+        );
+        put(
+            "self_attn.k_proj.weight",
+            rng.tensor(&[kv_dim, h], 0.25, 0.0),
+        );
+        put(
+            "self_attn.v_proj.weight",
+            rng.tensor(&[kv_dim, h], 0.25, 0.0),
+        );
+        put(
+            "self_attn.o_proj.weight",
+            rng.tensor(&[h, q_dim], 0.15, 0.0),
+        );
+        put("mlp.gate_proj.weight", rng.tensor(&[spec.ffn, h], 0.2, 0.0));
+        put("mlp.up_proj.weight", rng.tensor(&[spec.ffn, h], 0.2, 0.0));
+        put(
+            "mlp.down_proj.weight",
+            rng.tensor(&[h, spec.ffn], 0.15, 0.0),
+        );
+        if spec.arch == Arch::Qwen2 {
+            put("self_attn.q_proj.bias", rng.tensor(&[q_dim], 0.1, 0.0));
+            put("self_attn.k_proj.bias", rng.tensor(&[kv_dim], 0.1, 0.0));
+            put("self_attn.v_proj.bias", rng.tensor(&[kv_dim], 0.1, 0.0));
+        }
+        if spec.arch == Arch::Qwen3 {
+            put(
+                "self_attn.q_norm.weight",
+                rng.tensor(&[spec.head_dim], 0.1, 1.0),
+            );
+            put(
+                "self_attn.k_norm.weight",
+                rng.tensor(&[spec.head_dim], 0.1, 1.0),
+            );
+        }
+    }
+    w
+}
+
+/// Writes `config.json`, `model.safetensors`, `tokenizer.json` and `tokenizer_config.json`.
+pub fn write_hf_dir(dir: &Path, spec: &TinySpec) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let config = serde_json::json!({
+        "model_type": spec.arch.name(),
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab(),
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": spec.tied,
+        "eos_token_id": EOS_ID,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    candle_core::safetensors::save(&tiny_weights(spec), dir.join("model.safetensors")).unwrap();
+    tiny_tokenizer()
+        .save(dir.join("tokenizer.json"), false)
+        .unwrap();
+    let tok_config = serde_json::json!({
+        "eos_token": "<|im_end|>",
+        "bos_token": null,
+        "chat_template": CHAT_TEMPLATE,
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), tok_config.to_string()).unwrap();
+    dir.to_path_buf()
+}
+
+/// llama.cpp's conversion permutes llama q/k rows so that rope rotates adjacent pairs.
+fn permute_for_gguf(t: &Tensor, heads: usize) -> Tensor {
+    let (rows, cols) = t.dims2().unwrap();
+    let head_dim = rows / heads;
+    t.reshape((heads, 2, head_dim / 2, cols))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .reshape((rows, cols))
+        .unwrap()
+}
+
+fn gguf_name(hf: &str) -> String {
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap();
+    let (layer, name) = rest.split_once('.').unwrap();
+    let (base, suffix) = name.rsplit_once('.').unwrap();
+    let base = match base {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        other => panic!("unmapped tensor {other}"),
+    };
+    format!("blk.{layer}.{base}.{suffix}")
+}
+
+/// Writes the same random model as a GGUF file with its tokenizer embedded; matrices are
+/// stored as `dtype`, vectors as F32.
+pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> PathBuf {
+    let arch = spec.arch.name();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut weights: Vec<(String, Tensor)> = tiny_weights(spec).into_iter().collect();
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    for (hf, t) in weights {
+        let mut t = t;
+        if spec.arch == Arch::Llama && hf.ends_with("q_proj.weight") {
+            t = permute_for_gguf(&t, spec.heads);
+        }
+        if spec.arch == Arch::Llama && hf.ends_with("k_proj.weight") {
+            t = permute_for_gguf(&t, spec.kv_heads);
+        }
+        let q = if t.rank() == 2 { dtype } else { GgmlDType::F32 };
+        tensors.push((gguf_name(&hf), QTensor::quantize(&t, q).unwrap()));
+    }
+    let (tokens, merges) = tiny_vocab();
+    let types: Vec<Value> = (0..tokens.len())
+        .map(|i| Value::I32(if i < SPECIAL_TOKENS.len() { 3 } else { 1 }))
+        .collect();
+    let u32v = |v: usize| Value::U32(v as u32);
+    let metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        // candle-transformers' qwen3 reference computes in F16 unless told F32 (0).
+        ("general.dtype".into(), Value::U32(0)),
+        (format!("{arch}.block_count"), u32v(spec.layers)),
+        (format!("{arch}.embedding_length"), u32v(spec.hidden)),
+        (format!("{arch}.feed_forward_length"), u32v(spec.ffn)),
+        (format!("{arch}.attention.head_count"), u32v(spec.heads)),
+        (
+            format!("{arch}.attention.head_count_kv"),
+            u32v(spec.kv_heads),
+        ),
+        (format!("{arch}.attention.key_length"), u32v(spec.head_dim)),
+        (
+            format!("{arch}.attention.value_length"),
+            u32v(spec.head_dim),
+        ),
+        (format!("{arch}.rope.dimension_count"), u32v(spec.head_dim)),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-5),
+        ),
+        (format!("{arch}.rope.freq_base"), Value::F32(10000.0)),
+        (format!("{arch}.context_length"), u32v(512)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("smollm".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(
+                merges
+                    .into_iter()
+                    .map(|(a, b)| Value::String(format!("{a} {b}")))
+                    .collect(),
+            ),
+        ),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(EOS_ID)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(1)),
+        (
+            "tokenizer.chat_template".into(),
+            Value::String(CHAT_TEMPLATE.into()),
+        ),
+    ];
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut file = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut file, &md, &ts).unwrap();
+    path.to_path_buf()
+}
+
+/// A model entry for a tiny checkpoint.
+pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig {
+    tokenrouter::config::ModelConfig {
+        name: name.into(),
+        path: path.to_path_buf(),
+        threads: 1,
+        kv_tokens: 4096,
+        weights: tokenrouter::config::WeightPrecision::Stored,
+        layers: None,
+    }
+}
+
+/// Path of the real SmolLM2 GGUF, or `None` (with a message) when it has not been fetched.
+/// With `TOKENROUTER_REQUIRE_MODEL=1` (set by CI) a missing model is a failure instead.
+pub fn real_model() -> Option<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.exists() {
+        return Some(path);
+    }
+    if std::env::var("TOKENROUTER_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
+        panic!("{} is missing; run scripts/fetch-model.sh", path.display());
+    }
+    eprintln!(
+        "skipping: {} not fetched (scripts/fetch-model.sh)",
+        path.display()
+    );
+    None
+}

@@ -1,0 +1,413 @@
+//! Engine tests on tiny random-weight models written by the test itself.
+
+mod common;
+
+use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::{Device, Tensor};
+use common::{Arch, TinySpec};
+use tokenrouter::config::WeightPrecision;
+use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
+use tokenrouter::engine::tokenizer::ModelTokenizer;
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork};
+use tokenrouter::error::EngineError;
+
+fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
+    SeqWork {
+        seq,
+        tokens,
+        sampling: SamplingParams::greedy(),
+        needs: Needs::default(),
+    }
+}
+
+fn load(path: &std::path::Path) -> Executor {
+    Executor::load(&common::model_config("tiny", path)).unwrap()
+}
+
+/// Logits at every position of `tokens`, fed one token per step.
+fn logits_per_position(executor: &mut Executor, seq: u64, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let out = tokens
+        .iter()
+        .map(|&t| {
+            executor
+                .step(&[work(seq, vec![t])])
+                .unwrap()
+                .remove(0)
+                .logits
+        })
+        .collect();
+    executor.free(seq);
+    out
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 3 + (i * 31 + salt * 17) % 270)
+        .collect()
+}
+
+/// candle-transformers' reference forward for the same GGUF file, one token at a time.
+fn candle_reference_logits(path: &std::path::Path, arch: Arch, tokens: &[u32]) -> Vec<Vec<f32>> {
+    use candle_transformers::models::{quantized_llama, quantized_qwen2, quantized_qwen3};
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let dev = Device::Cpu;
+    enum Model {
+        Llama(quantized_llama::ModelWeights),
+        Qwen2(quantized_qwen2::ModelWeights),
+        Qwen3(quantized_qwen3::ModelWeights),
+    }
+    let mut model = match arch {
+        Arch::Llama => Model::Llama(
+            quantized_llama::ModelWeights::from_gguf(content, &mut file, &dev).unwrap(),
+        ),
+        Arch::Qwen2 => Model::Qwen2(
+            quantized_qwen2::ModelWeights::from_gguf(content, &mut file, &dev).unwrap(),
+        ),
+        Arch::Qwen3 => Model::Qwen3(
+            quantized_qwen3::ModelWeights::from_gguf(content, &mut file, &dev).unwrap(),
+        ),
+    };
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(pos, &t)| {
+            let x = Tensor::new(&[[t]], &dev).unwrap();
+            let logits = match &mut model {
+                Model::Llama(m) => m.forward(&x, pos),
+                Model::Qwen2(m) => m.forward(&x, pos),
+                Model::Qwen3(m) => m.forward(&x, pos),
+            }
+            .unwrap();
+            logits.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn gguf_forward_matches_candle_transformers_for_every_family() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        let spec = TinySpec::new(arch);
+        let path = common::write_gguf(
+            &dir.path().join(format!("{arch:?}.gguf")),
+            &spec,
+            GgmlDType::F32,
+        );
+        let tokens = prompt(24, 1);
+        let ours = logits_per_position(&mut load(&path), 1, &tokens);
+        let reference = candle_reference_logits(&path, arch, &tokens);
+        for (pos, (a, b)) in ours.iter().zip(&reference).enumerate() {
+            let diff = max_abs_diff(a, b);
+            assert!(diff < 2e-3, "{arch:?} position {pos}: max |Δlogit| {diff}");
+        }
+    }
+}
+
+#[test]
+fn safetensors_directory_matches_gguf_of_the_same_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        let spec = TinySpec::new(arch);
+        let gguf = common::write_gguf(
+            &dir.path().join(format!("{arch:?}.gguf")),
+            &spec,
+            GgmlDType::F32,
+        );
+        let hf = common::write_hf_dir(&dir.path().join(format!("{arch:?}-hf")), &spec);
+        let tokens = prompt(20, 2);
+        let a = logits_per_position(&mut load(&gguf), 5, &tokens);
+        let b = logits_per_position(&mut load(&hf), 5, &tokens);
+        for (pos, (x, y)) in a.iter().zip(&b).enumerate() {
+            let diff = max_abs_diff(x, y);
+            assert!(diff < 1e-3, "{arch:?} position {pos}: max |Δlogit| {diff}");
+        }
+    }
+}
+
+#[test]
+fn prefill_in_one_step_equals_token_by_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Qwen2),
+        GgmlDType::F32,
+    );
+    let mut executor = load(&path);
+    let tokens = prompt(17, 3);
+    let stepwise = logits_per_position(&mut executor, 1, &tokens);
+    let whole = executor.step(&[work(2, tokens.clone())]).unwrap().remove(0);
+    assert_eq!(whole.position, tokens.len());
+    let diff = max_abs_diff(&whole.logits, stepwise.last().unwrap());
+    assert!(diff < 1e-4, "prefill vs stepwise: {diff}");
+}
+
+/// Greedy decoding of several ragged sequences, batched in one step each time.
+fn decode_batched(executor: &mut Executor, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<u32>> {
+    let mut outputs = vec![Vec::new(); prompts.len()];
+    let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
+    for _ in 0..steps {
+        let batch: Vec<SeqWork> = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| work(100 + i as u64, t.clone()))
+            .collect();
+        for (i, out) in executor.step(&batch).unwrap().into_iter().enumerate() {
+            outputs[i].push(out.candidate);
+            inputs[i] = vec![out.candidate];
+        }
+    }
+    for i in 0..prompts.len() {
+        executor.free(100 + i as u64);
+    }
+    outputs
+}
+
+#[test]
+fn batched_equals_unbatched_token_for_token() {
+    let dir = tempfile::tempdir().unwrap();
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::F32] {
+        let path = common::write_gguf(
+            &dir.path().join("m.gguf"),
+            &TinySpec::new(Arch::Llama),
+            dtype,
+        );
+        let mut executor = load(&path);
+        let prompts: Vec<Vec<u32>> = (0..16).map(|i| prompt(3 + 5 * i, i as u32)).collect();
+        let batched = decode_batched(&mut executor, &prompts, 12);
+        for (i, p) in prompts.iter().enumerate() {
+            let alone = decode_batched(&mut executor, std::slice::from_ref(p), 12);
+            assert_eq!(batched[i], alone[0], "{dtype:?} sequence {i}");
+        }
+        assert_eq!(executor.kv_usage().used_tokens, 0);
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Qwen3),
+        GgmlDType::Q8_0,
+    );
+    let mut config = common::model_config("tiny", &path);
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(6 + i, i as u32)).collect();
+    let one = decode_batched(&mut Executor::load(&config).unwrap(), &prompts, 8);
+    config.threads = 2;
+    let two = decode_batched(&mut Executor::load(&config).unwrap(), &prompts, 8);
+    assert_eq!(one, two);
+}
+
+#[test]
+fn kv_usage_returns_to_zero_and_exhaustion_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::Q8_0,
+    );
+    let mut config = common::model_config("tiny", &path);
+    config.kv_tokens = 64;
+    let mut executor = Executor::load(&config).unwrap();
+    executor
+        .step(&[work(1, prompt(20, 0)), work(2, prompt(10, 1))])
+        .unwrap();
+    assert_eq!(executor.kv_usage().used_tokens, 48);
+    assert_eq!(executor.seq_len(1), 20);
+    let err = executor
+        .step(&[work(1, prompt(5, 2)), work(3, prompt(30, 3))])
+        .unwrap_err();
+    assert!(matches!(err, EngineError::KvExhausted { .. }), "{err}");
+    assert_eq!(
+        executor.seq_len(1),
+        20,
+        "a failed step leaves sequences untouched"
+    );
+    assert!(
+        executor.step(&[work(1, vec![9999])]).is_err(),
+        "out-of-vocabulary token"
+    );
+    executor.free(1);
+    executor.free(2);
+    assert_eq!(executor.kv_usage().used_tokens, 0);
+    assert_eq!(executor.kv_usage().sequences, 0);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::Q8_0,
+    );
+    let mut executor = load(&path);
+    let run = |executor: &mut Executor, seed: u64| -> Vec<u32> {
+        let params = SamplingParams {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 0.95,
+            seed,
+        };
+        let mut input = prompt(5, 0);
+        let mut out = Vec::new();
+        for _ in 0..24 {
+            let step = executor
+                .step(&[SeqWork {
+                    seq: 9,
+                    tokens: input,
+                    sampling: params,
+                    needs: Needs::default(),
+                }])
+                .unwrap()
+                .remove(0);
+            out.push(step.candidate);
+            input = vec![step.candidate];
+        }
+        executor.free(9);
+        out
+    };
+    let a = run(&mut executor, 7);
+    assert_eq!(a, run(&mut executor, 7));
+    assert_ne!(a, run(&mut executor, 8));
+
+    let needs = Needs {
+        hidden: true,
+        top_k: 5,
+    };
+    let out = executor
+        .step(&[SeqWork {
+            seq: 1,
+            tokens: prompt(4, 1),
+            sampling: SamplingParams::greedy(),
+            needs,
+        }])
+        .unwrap()
+        .remove(0);
+    assert_eq!(out.hidden.as_ref().map(Vec::len), Some(64));
+    assert_eq!(out.stats.top_k.len(), 5);
+    assert_eq!(
+        out.stats.top_k[0].0, out.candidate,
+        "greedy candidate is the top logit"
+    );
+    assert!(out.stats.entropy > 0.0 && out.stats.max_prob > 0.0 && out.stats.max_prob <= 1.0);
+}
+
+#[test]
+fn variants_select_layers_and_requantize() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::F32,
+    );
+    let mut config = common::model_config("tiny", &path);
+    let full = logits_per_position(&mut Executor::load(&config).unwrap(), 1, &prompt(6, 0));
+    config.layers = Some("0,2".into());
+    let skip = Executor::load(&config).unwrap();
+    assert_eq!(skip.layer_count(), 2);
+    config.weights = WeightPrecision::Q8_0;
+    config.layers = None;
+    let q8 = logits_per_position(&mut Executor::load(&config).unwrap(), 1, &prompt(6, 0));
+    let diff = max_abs_diff(full.last().unwrap(), q8.last().unwrap());
+    assert!(
+        diff > 0.0 && diff < 0.5,
+        "Q8_0 requantization moves logits slightly: {diff}"
+    );
+    config.layers = Some("0-5".into());
+    let err = Executor::load(&config).err().unwrap().to_string();
+    assert!(err.contains("layer 3 does not exist"), "{err}");
+}
+
+#[test]
+fn gguf_and_json_tokenizers_agree_and_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Arch::Llama);
+    let gguf = ModelTokenizer::load(&common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &spec,
+        GgmlDType::Q8_0,
+    ))
+    .unwrap();
+    let json = ModelTokenizer::load(&common::write_hf_dir(&dir.path().join("hf"), &spec)).unwrap();
+    for text in [
+        "the cat sat on the mat",
+        "Grüße, 東京! 2026 años ☕",
+        "<|im_start|>user\nhi<|im_end|>",
+    ] {
+        let a = gguf.encode(text).unwrap();
+        assert_eq!(a, json.encode(text).unwrap(), "{text}");
+        assert_eq!(gguf.decode(&a, false).unwrap(), text);
+    }
+    assert_eq!(
+        gguf.encode("<|im_start|>").unwrap(),
+        vec![1],
+        "control tokens are special"
+    );
+    assert_eq!(
+        gguf.encode("2026").unwrap().len(),
+        4,
+        "digits split individually"
+    );
+    assert!(gguf.eos.contains(&common::EOS_ID) && json.eos.contains(&common::EOS_ID));
+    let chat = ChatTemplate::for_model(&gguf).unwrap();
+    let text = chat.render(&[ChatMessage::user("hello")], true).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn loading_errors_are_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.gguf");
+    let err = Executor::load(&common::model_config("m", &missing))
+        .err()
+        .unwrap();
+    assert!(matches!(err, EngineError::MissingFile(_)), "{err}");
+
+    let corrupt = dir.path().join("corrupt.gguf");
+    std::fs::write(&corrupt, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    let err = Executor::load(&common::model_config("m", &corrupt))
+        .err()
+        .unwrap();
+    assert!(matches!(err, EngineError::InvalidModel { .. }), "{err}");
+
+    let good = common::write_gguf(
+        &dir.path().join("good.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::Q8_0,
+    );
+    let bytes = std::fs::read(&good).unwrap();
+    let truncated = dir.path().join("truncated.gguf");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let err = Executor::load(&common::model_config("m", &truncated))
+        .err()
+        .unwrap();
+    assert!(matches!(err, EngineError::InvalidModel { .. }), "{err}");
+
+    let hf = common::write_hf_dir(&dir.path().join("hf"), &TinySpec::new(Arch::Llama));
+    let config = std::fs::read_to_string(hf.join("config.json")).unwrap();
+    std::fs::write(
+        hf.join("config.json"),
+        config.replace("\"llama\"", "\"mamba\""),
+    )
+    .unwrap();
+    let err = Executor::load(&common::model_config("m", &hf))
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, EngineError::UnsupportedArchitecture(ref a) if a == "mamba"),
+        "{err}"
+    );
+}
