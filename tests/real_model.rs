@@ -1,0 +1,173 @@
+//! End-to-end checks on the real SmolLM2-135M-Instruct GGUF (fetched by scripts/fetch-model.sh;
+//! skipped with a message when absent, a failure under TOKENROUTER_REQUIRE_MODEL=1).
+
+mod common;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama;
+use tokenrouter::bench::prompts::PROMPTS;
+use tokenrouter::engine::ops::argmax;
+use tokenrouter::engine::tokenizer::ModelTokenizer;
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork};
+
+fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
+    SeqWork {
+        seq,
+        tokens,
+        sampling: SamplingParams::greedy(),
+        needs: Needs::default(),
+    }
+}
+
+#[test]
+fn chat_generation_answers_tokyo_through_the_cli() {
+    if common::real_model().is_none() {
+        return;
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["generate", "--policy", "smollm2-135m", "--chat"])
+        .args(["--prompt", "What is the capital of Japan?"])
+        .args(["--temperature", "0", "--max-tokens", "16", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = report["text"].as_str().unwrap();
+    assert!(text.contains("Tokyo"), "{text}");
+    let ids = report["token_ids"].as_array().unwrap().len();
+    assert_eq!(report["routing"]["tokens_per_model"]["smollm2-135m"], ids);
+    assert!(report["timing"]["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(["stop", "length"].contains(&report["finish_reason"].as_str().unwrap()));
+}
+
+#[test]
+fn tokenizer_round_trips_real_text_and_matches_smollm_pretokenization() {
+    let Some(path) = common::real_model() else {
+        return;
+    };
+    let tok = ModelTokenizer::load(&path).unwrap();
+    for text in [
+        PROMPTS[0],
+        "Grüße aus München — 東京タワー, naïve café, emoji 🚀 and ασπίδα.",
+        "<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n",
+    ] {
+        let ids = tok.encode(text).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    }
+    assert_eq!(tok.encode("<|im_start|>").unwrap(), vec![1]);
+    assert_eq!(
+        tok.encode("12345").unwrap().len(),
+        5,
+        "smollm splits digits"
+    );
+    let hello = tok.encode("Hello").unwrap();
+    assert_eq!(hello.len(), 1);
+    assert_eq!(
+        tok.token_text(hello[0]).as_deref(),
+        Some("Hello"),
+        "no prefix space"
+    );
+    assert!(tok.eos.contains(&2));
+}
+
+#[test]
+fn teacher_forced_top1_agrees_with_candle_quantized_llama() {
+    let Some(path) = common::real_model() else {
+        return;
+    };
+    let tok = ModelTokenizer::load(&path).unwrap();
+    let mut ours = Executor::load(&common::model_config("smollm2", &path)).unwrap();
+    let (mut agree, mut total, mut max_diff) = (0usize, 0usize, 0f32);
+    for (p, text) in PROMPTS.iter().enumerate() {
+        let tokens = tok.encode(text).unwrap();
+        assert!(
+            tokens.len() > 200,
+            "prompt {p} has only {} tokens",
+            tokens.len()
+        );
+        let mut file = std::fs::File::open(&path).unwrap();
+        let content = gguf_file::Content::read(&mut file).unwrap();
+        let mut reference =
+            quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        for (pos, &t) in tokens.iter().enumerate() {
+            let mine = ours
+                .step(&[work(p as u64, vec![t])])
+                .unwrap()
+                .remove(0)
+                .logits;
+            let x = Tensor::new(&[[t]], &Device::Cpu).unwrap();
+            let theirs = reference
+                .forward(&x, pos)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            agree += usize::from(argmax(&mine) == argmax(&theirs));
+            total += 1;
+            let diff = mine
+                .iter()
+                .zip(&theirs)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            max_diff = max_diff.max(diff);
+        }
+        ours.free(p as u64);
+    }
+    let rate = agree as f64 / total as f64;
+    println!("teacher-forced top-1 agreement with candle quantized_llama: {agree}/{total} = {:.2}%, max |Δlogit| = {max_diff:.3}", rate * 100.0);
+    assert!(rate >= 0.95, "agreement {rate}");
+}
+
+#[test]
+fn batch_of_16_ragged_sequences_equals_each_alone() {
+    let Some(path) = common::real_model() else {
+        return;
+    };
+    let tok = ModelTokenizer::load(&path).unwrap();
+    let mut executor = Executor::load(&common::model_config("smollm2", &path)).unwrap();
+    let words: Vec<&str> = PROMPTS.iter().flat_map(|p| p.split(' ')).collect();
+    let prompts: Vec<Vec<u32>> = (0..16)
+        .map(|i| {
+            tok.encode(&words[i * 7..i * 7 + 4 + 2 * i].join(" "))
+                .unwrap()
+        })
+        .collect();
+    let decode = |executor: &mut Executor, seqs: &[(u64, Vec<u32>)], steps: usize| {
+        let mut inputs: Vec<Vec<u32>> = seqs.iter().map(|s| s.1.clone()).collect();
+        let mut outputs = vec![Vec::new(); seqs.len()];
+        for _ in 0..steps {
+            let batch: Vec<SeqWork> = seqs
+                .iter()
+                .zip(&inputs)
+                .map(|(s, t)| work(s.0, t.clone()))
+                .collect();
+            for (i, out) in executor.step(&batch).unwrap().into_iter().enumerate() {
+                outputs[i].push(out.candidate);
+                inputs[i] = vec![out.candidate];
+            }
+        }
+        for s in seqs {
+            executor.free(s.0);
+        }
+        outputs
+    };
+    let all: Vec<(u64, Vec<u32>)> = prompts
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, p)| (i as u64, p))
+        .collect();
+    let batched = decode(&mut executor, &all, 8);
+    for (i, seq) in all.iter().enumerate() {
+        let alone = decode(&mut executor, std::slice::from_ref(seq), 8);
+        assert_eq!(batched[i], alone[0], "sequence {i}");
+    }
+    assert_eq!(executor.kv_usage().used_tokens, 0);
+}
