@@ -11,6 +11,98 @@ pub const DEFAULT_CONFIG_PATH: &str = "config/default.toml";
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub models: Vec<ModelConfig>,
+    #[serde(default)]
+    pub runtime: RuntimeConfig,
+    #[serde(default)]
+    pub policies: Vec<PolicyConfig>,
+}
+
+/// How requests move between model actors.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeConfig {
+    #[serde(default)]
+    pub mode: ExecutionMode,
+    /// Policy for requests that name none; a policy or a model name. Defaults to the first
+    /// configured policy, or the first model alone.
+    #[serde(default)]
+    pub default_policy: Option<String>,
+    /// Longest time an arrival waits in a batcher for its threshold (`tokenrouter` mode).
+    #[serde(default = "default_batch_timeout_ms")]
+    pub batch_timeout_ms: u64,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            mode: ExecutionMode::default(),
+            default_policy: None,
+            batch_timeout_ms: default_batch_timeout_ms(),
+        }
+    }
+}
+
+fn default_batch_timeout_ms() -> u64 {
+    20
+}
+
+/// The four execution modes of DESIGN §6 (same code, one switch).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutionMode {
+    /// One model steps at a time across the whole system (the algorithms' official loops).
+    Lockstep,
+    /// Each model as an independent server: a returning request is a new request
+    /// (prefix lookup, fresh KV allocation, copy, extend).
+    Standard,
+    /// Pending/resume; each model launches as soon as anything is ready.
+    Async,
+    /// `async` plus delayed batching at per-model thresholds.
+    #[default]
+    Tokenrouter,
+}
+
+impl ExecutionMode {
+    pub const ALL: [ExecutionMode; 4] = [
+        ExecutionMode::Lockstep,
+        ExecutionMode::Standard,
+        ExecutionMode::Async,
+        ExecutionMode::Tokenrouter,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecutionMode::Lockstep => "lockstep",
+            ExecutionMode::Standard => "standard",
+            ExecutionMode::Async => "async",
+            ExecutionMode::Tokenrouter => "tokenrouter",
+        }
+    }
+}
+
+impl std::str::FromStr for ExecutionMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| format!("unknown mode `{s}` (lockstep, standard, async, tokenrouter)"))
+    }
+}
+
+/// A named routing policy over configured models.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    pub name: String,
+    /// The algorithm: `me` or `single`.
+    pub kind: String,
+    /// Model names, in the order the algorithm expects (SLM first for two-model policies).
+    pub models: Vec<String>,
+    /// `me`: one positive weight per model.
+    #[serde(default)]
+    pub weights: Vec<f64>,
 }
 
 /// One served model: a checkpoint, optionally as a variant (layer subset, requantized weights).
@@ -32,6 +124,17 @@ pub struct ModelConfig {
     /// Decoder layers to run, e.g. `"0-9,20-29"`; all when absent.
     #[serde(default)]
     pub layers: Option<String>,
+    /// Delayed-batching threshold B (`tokenrouter` mode): launch once this many requests
+    /// are ready, or on timeout, or when every live request is here.
+    #[serde(default = "default_batch_threshold")]
+    pub batch_threshold: usize,
+    /// Fault injection for tests: panic in the forward pass every N steps (0 = never).
+    #[serde(default)]
+    pub fault_every_steps: u64,
+}
+
+fn default_batch_threshold() -> usize {
+    1
 }
 
 /// Precision of the matmul weights: as stored in the file, or requantized at load.
@@ -88,7 +191,34 @@ impl Config {
             }
             model.validate()?;
         }
+        for policy in &self.policies {
+            if !names.insert(policy.name.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "policy name `{}` is already a model or policy name",
+                    policy.name
+                )));
+            }
+            for model in &policy.models {
+                if self.model_index(model).is_none() {
+                    return Err(ConfigError::Invalid(format!(
+                        "policies.{}.models: unknown model `{model}`",
+                        policy.name
+                    )));
+                }
+            }
+        }
+        if let Some(default) = &self.runtime.default_policy {
+            if !names.contains(default.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "runtime.default_policy: unknown policy or model `{default}`"
+                )));
+            }
+        }
         Ok(())
+    }
+
+    pub fn model_index(&self, name: &str) -> Option<usize> {
+        self.models.iter().position(|m| m.name == name)
     }
 
     pub fn model(&self, name: &str) -> Option<&ModelConfig> {
@@ -112,6 +242,9 @@ impl ModelConfig {
         }
         if self.kv_tokens == 0 {
             return field("kv_tokens", "must be at least 1");
+        }
+        if self.batch_threshold == 0 {
+            return field("batch_threshold", "must be at least 1");
         }
         if let Some(layers) = &self.layers {
             if let Err(why) = parse_layer_ranges(layers) {

@@ -5,3 +5,5 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fetch;
+pub mod policy;
+pub mod runtime;

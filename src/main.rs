@@ -5,12 +5,12 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
 use tokenrouter::bench;
-use tokenrouter::config::{Config, ModelConfig, DEFAULT_CONFIG_PATH};
+use tokenrouter::config::{Config, ExecutionMode, ModelConfig, DEFAULT_CONFIG_PATH};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
-use tokenrouter::engine::generate::generate;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{weights, Executor, SamplingParams};
 use tokenrouter::fetch;
+use tokenrouter::runtime::{GenerateRequest, Runtime};
 
 #[derive(Parser)]
 #[command(
@@ -45,9 +45,12 @@ struct ConfigArg {
 struct GenerateArgs {
     #[command(flatten)]
     config: ConfigArg,
-    /// A model name from the config (served alone); defaults to the first model.
+    /// A policy name, or a model name (served alone); the config's default policy if absent.
     #[arg(long)]
     policy: Option<String>,
+    /// Execution mode; the config's if absent.
+    #[arg(long)]
+    mode: Option<ExecutionMode>,
     #[arg(
         long,
         conflicts_with = "prompt_file",
@@ -81,6 +84,37 @@ enum BenchCommand {
     Engine(BenchEngineArgs),
     /// Greedy agreement and step-cost ratio of a model against a reference model.
     Pair(BenchPairArgs),
+    /// Closed-loop clients through the runtime, per policy, mode and concurrency.
+    Routing(BenchRoutingArgs),
+}
+
+#[derive(Args)]
+struct BenchRoutingArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    #[arg(long, value_delimiter = ',', default_value = "me")]
+    policy: Vec<String>,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "lockstep,standard,async,tokenrouter"
+    )]
+    mode: Vec<ExecutionMode>,
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    concurrency: Vec<usize>,
+    /// Only `short` (a short question, a short answer) so far.
+    #[arg(long, default_value = "short")]
+    workload: String,
+    /// Requests per (policy, mode, concurrency) cell.
+    #[arg(long, default_value_t = 16)]
+    requests: usize,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Repetitions; modes are interleaved within each round.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -141,6 +175,7 @@ fn main() {
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
+        Command::Bench(BenchCommand::Routing(args)) => run_bench_routing(args),
         Command::Models(ModelsCommand::List { config, json }) => run_models_list(&config, json),
         Command::Models(ModelsCommand::Fetch { config }) => {
             load_config(&config).and_then(|c| fetch::ensure_models_present(&c))
@@ -184,58 +219,66 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         anyhow::bail!("--top-p must be in (0, 1]");
     }
     let config = ready_config(&args.config)?;
-    let model = pick_model(&config, args.policy.as_deref())?;
     let prompt = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(file)) => std::fs::read_to_string(file)
             .with_context(|| format!("cannot read --prompt-file {}", file.display()))?,
         (None, None) => unreachable!("clap requires one of them"),
     };
-    let tokenizer = ModelTokenizer::load(&model.path)?;
-    let text = if args.chat {
-        ChatTemplate::for_model(&tokenizer)?.render(&[ChatMessage::user(prompt)], true)?
-    } else {
-        prompt
-    };
-    let ids = tokenizer.encode(&text)?;
-    let mut executor = Executor::load(model)?;
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    };
-    let out = generate(
-        &mut executor,
-        0,
-        &ids,
-        args.max_tokens,
-        sampling,
-        &tokenizer.eos,
-    )?;
-    let text = tokenizer.decode(&out.token_ids, true)?;
-    if args.json {
-        let total_s = out.total.as_secs_f64();
-        let report = json!({
-            "text": text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "routing": {
-                "policy": model.name,
-                "tokens_per_model": { model.name.clone(): out.token_ids.len() },
-                "handoffs": 0,
+    actix::System::new().block_on(async move {
+        let runtime = Runtime::start(&config, args.mode)?;
+        let tokenizer = runtime.tokenizer().clone();
+        let text = if args.chat {
+            ChatTemplate::for_model(&tokenizer)?.render(&[ChatMessage::user(prompt)], true)?
+        } else {
+            prompt
+        };
+        let request = GenerateRequest {
+            prompt: tokenizer.encode(&text)?,
+            policy: args.policy.clone(),
+            max_tokens: args.max_tokens,
+            sampling: SamplingParams {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+                seed: args.seed,
             },
-            "timing": {
-                "ttft_ms": out.time_to_first_token.as_secs_f64() * 1e3,
-                "total_ms": total_s * 1e3,
-                "tokens_per_s": out.token_ids.len() as f64 / total_s.max(1e-9),
-            },
-        });
-        println!("{report}");
-    } else {
-        println!("{text}");
-    }
-    Ok(())
+            timeout: None,
+        };
+        let out = runtime.submit(request)?.collect().await?;
+        let names = runtime.model_names();
+        let text = tokenizer.decode(&out.token_ids, true)?;
+        if args.json {
+            let total_s = out.total.as_secs_f64();
+            let tokens_per_model: serde_json::Map<String, serde_json::Value> = names
+                .iter()
+                .zip(&out.routing.tokens_per_model)
+                .filter(|(_, &n)| n > 0)
+                .map(|(name, &n)| (name.to_string(), json!(n)))
+                .collect();
+            let report = json!({
+                "text": text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "routing": {
+                    "policy": out.policy,
+                    "mode": runtime.mode().as_str(),
+                    "tokens_per_model": tokens_per_model,
+                    "handoffs": out.routing.handoffs,
+                },
+                "timing": {
+                    "ttft_ms": out.time_to_first_token.as_secs_f64() * 1e3,
+                    "total_ms": total_s * 1e3,
+                    "tokens_per_s": out.token_ids.len() as f64 / total_s.max(1e-9),
+                },
+            });
+            println!("{report}");
+        } else {
+            println!("{text}");
+        }
+        runtime.shutdown();
+        Ok(())
+    })
 }
 
 fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
@@ -298,6 +341,39 @@ fn run_bench_pair(args: BenchPairArgs) -> anyhow::Result<()> {
     }
     if args.json {
         println!("{}", serde_json::to_string(&reports)?);
+    }
+    Ok(())
+}
+
+fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
+    if args.workload != "short" {
+        anyhow::bail!(
+            "--workload `{}` is not implemented yet (available: short)",
+            args.workload
+        );
+    }
+    if args.concurrency.contains(&0)
+        || args.requests == 0
+        || args.max_tokens == 0
+        || args.rounds == 0
+    {
+        anyhow::bail!("--concurrency, --requests, --max-tokens and --rounds must be positive");
+    }
+    let config = ready_config(&args.config)?;
+    let settings = bench::routing::RoutingBenchSettings {
+        policies: args.policy,
+        modes: args.mode,
+        concurrency: args.concurrency,
+        requests: args.requests,
+        max_tokens: args.max_tokens,
+        rounds: args.rounds,
+    };
+    let rows = actix::System::new()
+        .block_on(async move { bench::routing::run(&config, &settings).await })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&rows)?);
+    } else {
+        print!("{}", bench::routing::markdown(&rows));
     }
     Ok(())
 }

@@ -171,3 +171,56 @@ fn batch_of_16_ragged_sequences_equals_each_alone() {
     }
     assert_eq!(executor.kv_usage().used_tokens, 0);
 }
+
+#[actix_rt::test]
+async fn me_on_the_real_pair_is_identical_across_modes_and_concurrency() {
+    use tokenrouter::config::{Config, ExecutionMode};
+    use tokenrouter::runtime::{GenerateRequest, Runtime};
+    if common::real_model().is_none() {
+        return;
+    }
+    let config_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/default.toml");
+    let mut config = Config::load(&config_path).unwrap();
+    for m in &mut config.models {
+        m.path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&m.path);
+    }
+    let words: Vec<&str> = PROMPTS.iter().flat_map(|p| p.split(' ')).collect();
+    let prompts: Vec<String> = (0..32)
+        .map(|i| words[i * 5..i * 5 + 3 + i % 4].join(" "))
+        .collect();
+    let mut reference: Option<Vec<Vec<u32>>> = None;
+    for mode in ExecutionMode::ALL {
+        let rt = Runtime::start(&config, Some(mode)).unwrap();
+        for concurrency in [1, 8, 32] {
+            let mut outputs = Vec::new();
+            let numbered: Vec<(u64, &String)> = (0..).zip(&prompts).collect();
+            for chunk in numbered.chunks(concurrency) {
+                let handles: Vec<_> = chunk
+                    .iter()
+                    .map(|&(seed, text)| {
+                        let request = GenerateRequest {
+                            prompt: rt.tokenizer().encode(text).unwrap(),
+                            policy: Some("me".into()),
+                            max_tokens: 6,
+                            sampling: SamplingParams {
+                                seed,
+                                ..SamplingParams::greedy()
+                            },
+                            timeout: None,
+                        };
+                        rt.submit(request).unwrap()
+                    })
+                    .collect();
+                for h in handles {
+                    let out = h.collect().await.unwrap();
+                    outputs.push(out.token_ids);
+                }
+            }
+            match &reference {
+                None => reference = Some(outputs),
+                Some(want) => assert_eq!(&outputs, want, "{mode:?} at concurrency {concurrency}"),
+            }
+        }
+        rt.shutdown();
+    }
+}

@@ -4,6 +4,7 @@
 pub mod engine;
 pub mod pair;
 pub mod prompts;
+pub mod routing;
 
 /// Median of a non-empty sample.
 pub fn median(values: &mut [f64]) -> f64 {

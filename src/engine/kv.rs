@@ -131,6 +131,46 @@ impl KvStore {
         }
     }
 
+    /// Allocates `dst` holding a copy of the first `len` positions of `src` (a prefix-cache
+    /// hit in a standard server: fresh allocation, then copy). All or nothing.
+    pub fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
+        let available = self.seq_len(src);
+        if len > available || self.contains(dst) {
+            return Err(EngineError::InvalidStep(format!(
+                "cannot fork {len} positions of sequence {src} ({available} held) into {dst}"
+            )));
+        }
+        self.reserve(&[(dst, len)])?;
+        let kv_dim = self.kv_dim;
+        let [source, target] = self.seqs.get_disjoint_mut([&src, &dst]);
+        let (source, target) = (source.expect("checked"), target.expect("reserved"));
+        for (to, from) in target.keys.iter_mut().zip(&source.keys) {
+            to.extend_from_slice(&from[..len * kv_dim]);
+        }
+        for (to, from) in target.values.iter_mut().zip(&source.values) {
+            to.extend_from_slice(&from[..len * kv_dim]);
+        }
+        target.len = len;
+        Ok(())
+    }
+
+    /// Forgets positions from `len` on (their blocks stay allocated to the sequence).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) {
+        let kv_dim = self.kv_dim;
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.len = s.len.min(len);
+            for buf in s.keys.iter_mut().chain(s.values.iter_mut()) {
+                buf.truncate(s.len * kv_dim);
+            }
+        }
+    }
+
+    /// Drops every sequence (a restarted model starts with a fresh cache).
+    pub fn clear(&mut self) {
+        self.seqs.clear();
+        self.used_blocks = 0;
+    }
+
     /// Removes sequences out of the map so a step can write them in parallel; `put_back` returns them.
     pub fn take(&mut self, seq: SeqId) -> Option<SeqKv> {
         self.seqs.remove(&seq)
@@ -169,6 +209,24 @@ mod tests {
                 sequences: 0
             }
         );
+    }
+
+    #[test]
+    fn fork_copies_a_prefix_into_a_fresh_allocation() {
+        let mut kv = KvStore::new(1, 2, 64);
+        kv.reserve(&[(1, 3)]).unwrap();
+        let seq = kv.seq_mut(1).unwrap();
+        seq.keys[0].extend_from_slice(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        seq.values[0].extend_from_slice(&[6.0, 5.0, 4.0, 3.0, 2.0, 1.0]);
+        kv.advance(1, 3);
+        kv.fork_prefix(1, 2, 2).unwrap();
+        assert_eq!(kv.seq_len(2), 2);
+        let forked = kv.take(2).unwrap();
+        assert_eq!(forked.keys[0], vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(forked.values[0], vec![6.0, 5.0, 4.0, 3.0]);
+        assert!(kv.fork_prefix(1, 3, 4).is_err(), "longer than the source");
+        kv.clear();
+        assert_eq!(kv.usage().used_tokens, 0);
     }
 
     #[test]

@@ -2,7 +2,6 @@
 //! thread pool and runs ragged batched steps.
 
 pub mod chat;
-pub mod generate;
 pub mod kv;
 pub mod llama;
 pub mod ops;
@@ -139,6 +138,25 @@ impl Executor {
     /// Tokens of `seq` this model holds in its KV cache.
     pub fn seq_len(&self, seq: SeqId) -> usize {
         self.kv.seq_len(seq)
+    }
+
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.kv.contains(seq)
+    }
+
+    /// New sequence `dst` starting with a copy of `src`'s first `len` positions.
+    pub fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
+        self.kv.fork_prefix(src, dst, len)
+    }
+
+    /// Rolls a sequence back to its first `len` positions.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) {
+        self.kv.truncate(seq, len)
+    }
+
+    /// Forgets every sequence: the KV store a restarted model starts with.
+    pub fn clear_kv(&mut self) {
+        self.kv.clear()
     }
 
     /// Releases a sequence's KV; unknown ids are ignored (freeing is idempotent).

@@ -380,6 +380,8 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         kv_tokens: 4096,
         weights: tokenrouter::config::WeightPrecision::Stored,
         layers: None,
+        batch_threshold: 1,
+        fault_every_steps: 0,
     }
 }
 

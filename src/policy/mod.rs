@@ -1,0 +1,129 @@
+//! Routing policies: pure, synchronous functions of one request's routing state and the step
+//! it just took. The runtime calls them per model, per step, over the batch (DESIGN §5).
+
+pub mod ensemble;
+pub mod registry;
+pub mod single;
+
+use crate::engine::{LogitStats, Needs};
+use std::sync::Arc;
+
+pub type ModelIdx = usize;
+
+/// What happens to a request after a step on its current model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Commit the candidate and keep decoding here.
+    Stay,
+    /// Commit the candidate, continue on another model.
+    CommitThenSwitch(ModelIdx),
+    /// Drop the candidate; that model writes this position instead.
+    RejectAndSwitch(ModelIdx),
+}
+
+/// A request's routing state: it travels with the request between model actors.
+#[derive(Debug, Clone)]
+pub struct RoutingState {
+    pub rid: u64,
+    /// Committed tokens: prompt, then generated.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Per model: how many of `tokens` that model has processed (its KV length).
+    pub seen: Vec<usize>,
+    pub current: ModelIdx,
+    /// Per-request seed for sampling and seeded routing draws.
+    pub seed: u64,
+}
+
+impl RoutingState {
+    pub fn new(rid: u64, prompt: Vec<u32>, models: usize, seed: u64) -> Self {
+        Self {
+            rid,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            seen: vec![0; models],
+            current: 0,
+            seed,
+        }
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Tokens `model` has not processed yet.
+    pub fn unseen(&self, model: ModelIdx) -> &[u32] {
+        &self.tokens[self.seen[model]..]
+    }
+}
+
+/// The step a policy judges: the candidate for the next position and its signals.
+#[derive(Debug, Clone, Copy)]
+pub struct StepView<'a> {
+    pub model: ModelIdx,
+    pub candidate: u32,
+    pub stats: &'a LogitStats,
+    pub logits: &'a [f32],
+    pub hidden: Option<&'a [f32]>,
+}
+
+/// What `send` hands to the target model: the tokens it has not seen, from `anchor` on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handoff {
+    pub from: ModelIdx,
+    pub to: ModelIdx,
+    pub anchor: usize,
+    pub tokens: Vec<u32>,
+}
+
+/// What a new request brings to `entry`.
+#[derive(Debug, Clone)]
+pub struct RequestInfo {
+    pub rid: u64,
+    pub prompt_len: usize,
+    pub seed: u64,
+}
+
+pub trait RoutingPolicy: Send + Sync + 'static {
+    fn name(&self) -> &str;
+
+    /// Signals the policy reads beyond the candidate and its cheap statistics.
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+
+    /// Models this policy routes between (an entry in `route` never names another).
+    fn models(&self) -> &[ModelIdx];
+
+    fn entry(&self, req: &RequestInfo) -> ModelIdx;
+
+    fn route(&self, req: &RoutingState, step: &StepView) -> Route;
+
+    /// A whole batch at once; a learned router overrides this to score the batch in one
+    /// matrix product.
+    fn route_batch(&self, reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route> {
+        reqs.iter()
+            .zip(steps)
+            .map(|(r, s)| self.route(r, s))
+            .collect()
+    }
+
+    /// Packs the tokens `to` has not seen.
+    fn send(&self, req: &RoutingState, to: ModelIdx) -> Handoff {
+        Handoff {
+            from: req.current,
+            to,
+            anchor: req.seen[to],
+            tokens: req.unseen(to).to_vec(),
+        }
+    }
+
+    /// Takes a handoff on the target. The default accepts it as is: the committed tokens
+    /// already travel in the routing state, so only the current model changes.
+    fn receive(&self, req: &mut RoutingState, handoff: &Handoff) {
+        debug_assert_eq!(&req.tokens[handoff.anchor..], &handoff.tokens[..]);
+        req.current = handoff.to;
+    }
+}
+
+pub type SharedPolicy = Arc<dyn RoutingPolicy>;

@@ -1,0 +1,35 @@
+//! `single`: one model serves alone; the baseline every routing policy is compared with.
+
+use super::{ModelIdx, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+
+pub struct Single {
+    name: String,
+    model: [ModelIdx; 1],
+}
+
+impl Single {
+    pub fn new(name: impl Into<String>, model: ModelIdx) -> Self {
+        Self {
+            name: name.into(),
+            model: [model],
+        }
+    }
+}
+
+impl RoutingPolicy for Single {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn models(&self) -> &[ModelIdx] {
+        &self.model
+    }
+
+    fn entry(&self, _req: &RequestInfo) -> ModelIdx {
+        self.model[0]
+    }
+
+    fn route(&self, _req: &RoutingState, _step: &StepView) -> Route {
+        Route::Stay
+    }
+}

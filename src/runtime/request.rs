@@ -1,0 +1,147 @@
+//! `RequestActor`: one generation's lifecycle: it starts routing, forwards committed tokens
+//! to the client stream, enforces the deadline, and on finish, cancel or failure makes every
+//! model and batcher drop the request.
+
+use super::batcher::BatcherActor;
+use super::messages::{
+    Admit, Cancel, Committed, Failed, FinishReason, Finished, FreeRequest, RoutingStats, Start,
+    Withdraw,
+};
+use super::model::ModelActor;
+use crate::policy::ModelIdx;
+use actix::prelude::*;
+use dashmap::DashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What a client receives, in order: tokens, then exactly one `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RequestEvent {
+    Token {
+        id: u32,
+        model: ModelIdx,
+    },
+    Finished {
+        reason: FinishReason,
+        stats: RoutingStats,
+        prompt_tokens: usize,
+    },
+    Failed(String),
+}
+
+pub struct RequestActor {
+    rid: u64,
+    events: UnboundedSender<RequestEvent>,
+    models: Vec<Addr<ModelActor>>,
+    batchers: Vec<Addr<BatcherActor>>,
+    live: Arc<DashMap<u64, ()>>,
+    deadline: Option<Duration>,
+}
+
+impl RequestActor {
+    pub fn new(
+        rid: u64,
+        events: UnboundedSender<RequestEvent>,
+        models: Vec<Addr<ModelActor>>,
+        batchers: Vec<Addr<BatcherActor>>,
+        live: Arc<DashMap<u64, ()>>,
+        deadline: Option<Duration>,
+    ) -> Self {
+        Self {
+            rid,
+            events,
+            models,
+            batchers,
+            live,
+            deadline,
+        }
+    }
+
+    fn fail(&mut self, message: String, ctx: &mut Context<Self>) {
+        let _ = self.events.send(RequestEvent::Failed(message));
+        ctx.stop();
+    }
+}
+
+impl Actor for RequestActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        if let Some(deadline) = self.deadline {
+            ctx.run_later(deadline, move |act, ctx| {
+                act.fail(
+                    format!("deadline of {} ms exceeded", deadline.as_millis()),
+                    ctx,
+                );
+            });
+        }
+    }
+
+    /// Whatever ended the request, every model frees its KV and every batcher forgets it.
+    fn stopped(&mut self, _ctx: &mut Context<Self>) {
+        self.live.remove(&self.rid);
+        for model in &self.models {
+            model.do_send(FreeRequest { rid: self.rid });
+        }
+        for batcher in &self.batchers {
+            batcher.do_send(Withdraw { rid: self.rid });
+        }
+    }
+}
+
+impl Handler<Start> for RequestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Start, _ctx: &mut Context<Self>) {
+        let entry = msg.0.state.current;
+        self.batchers[entry].do_send(Admit(msg.0));
+    }
+}
+
+impl Handler<Committed> for RequestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Committed, ctx: &mut Context<Self>) {
+        for id in msg.tokens {
+            let event = RequestEvent::Token {
+                id,
+                model: msg.model,
+            };
+            if self.events.send(event).is_err() {
+                // The client is gone: cancel.
+                ctx.stop();
+                return;
+            }
+        }
+    }
+}
+
+impl Handler<Finished> for RequestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Finished, ctx: &mut Context<Self>) {
+        let _ = self.events.send(RequestEvent::Finished {
+            reason: msg.reason,
+            stats: msg.stats,
+            prompt_tokens: msg.prompt_tokens,
+        });
+        ctx.stop();
+    }
+}
+
+impl Handler<Failed> for RequestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Failed, ctx: &mut Context<Self>) {
+        self.fail(msg.message, ctx);
+    }
+}
+
+impl Handler<Cancel> for RequestActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: Cancel, ctx: &mut Context<Self>) {
+        ctx.stop();
+    }
+}

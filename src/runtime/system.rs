@@ -1,0 +1,313 @@
+//! Starts the actors (one arbiter per model, supervised) and exposes the `Runtime` handle
+//! that the CLI, the server and the bench call. Must be used inside a running actix System.
+
+use super::batcher::{AttachModel, BatcherActor};
+use super::messages::{Cancel, FinishReason, InFlight, RequestParams, RoutingStats, Start};
+use super::model::{ModelActor, ModelActorParts};
+use super::request::{RequestActor, RequestEvent};
+use super::stats::RuntimeStats;
+use crate::config::{Config, ExecutionMode};
+use crate::engine::tokenizer::ModelTokenizer;
+use crate::engine::{Executor, SamplingParams};
+use crate::error::{ConfigError, EngineError};
+use crate::policy::registry::PolicyRegistry;
+use crate::policy::{RequestInfo, RoutingState};
+use actix::prelude::*;
+use dashmap::DashMap;
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("unknown model or policy `{0}`")]
+    UnknownPolicy(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("generation failed: {0}")]
+    Failed(String),
+    #[error("the runtime stopped before the request finished")]
+    Disconnected,
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// One generation as submitted to the runtime (token ids in, token ids out).
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// A policy or model name; the default policy when `None`.
+    pub policy: Option<String>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub timeout: Option<Duration>,
+}
+
+/// The result of a finished generation.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub rid: u64,
+    pub policy: String,
+    pub token_ids: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub routing: RoutingStats,
+    pub prompt_tokens: usize,
+    pub time_to_first_token: Duration,
+    pub total: Duration,
+}
+
+/// A submitted request: its event stream, and a way to cancel it.
+pub struct RequestHandle {
+    pub rid: u64,
+    pub policy: String,
+    pub events: UnboundedReceiver<RequestEvent>,
+    actor: Addr<RequestActor>,
+    submitted: Instant,
+}
+
+impl RequestHandle {
+    pub fn cancel(&self) {
+        self.actor.do_send(Cancel);
+    }
+
+    /// Waits for the whole generation.
+    pub async fn collect(mut self) -> Result<Completion, RuntimeError> {
+        let mut token_ids = Vec::new();
+        let mut ttft = None;
+        while let Some(event) = self.events.recv().await {
+            match event {
+                RequestEvent::Token { id, .. } => {
+                    ttft.get_or_insert_with(|| self.submitted.elapsed());
+                    token_ids.push(id);
+                }
+                RequestEvent::Finished {
+                    reason,
+                    stats,
+                    prompt_tokens,
+                } => {
+                    let total = self.submitted.elapsed();
+                    return Ok(Completion {
+                        rid: self.rid,
+                        policy: self.policy,
+                        token_ids,
+                        finish_reason: reason,
+                        routing: stats,
+                        prompt_tokens,
+                        time_to_first_token: ttft.unwrap_or(total),
+                        total,
+                    });
+                }
+                RequestEvent::Failed(message) => return Err(RuntimeError::Failed(message)),
+            }
+        }
+        Err(RuntimeError::Disconnected)
+    }
+}
+
+struct ModelSlot {
+    name: String,
+    model: Addr<ModelActor>,
+    batcher: Addr<BatcherActor>,
+    arbiter: Arbiter,
+}
+
+pub struct Runtime {
+    slots: Vec<ModelSlot>,
+    batch_arbiter: Arbiter,
+    policies: PolicyRegistry,
+    tokenizer: Arc<ModelTokenizer>,
+    eos: Arc<BTreeSet<u32>>,
+    live: Arc<DashMap<u64, ()>>,
+    next_rid: AtomicU64,
+    stats: Arc<RuntimeStats>,
+    mode: ExecutionMode,
+}
+
+impl Runtime {
+    /// Loads every configured model and starts its actors. `mode` overrides the config's.
+    pub fn start(config: &Config, mode: Option<ExecutionMode>) -> Result<Self, RuntimeError> {
+        let mode = mode.unwrap_or(config.runtime.mode);
+        let policies = PolicyRegistry::from_config(config)?;
+        let tokenizer = Arc::new(ModelTokenizer::load(&config.models[0].path)?);
+        let eos = Arc::new(tokenizer.eos.clone());
+        let executors = config
+            .models
+            .iter()
+            .map(Executor::load)
+            .collect::<Result<Vec<_>, _>>()?;
+        let vocab = executors[0].hyperparams().vocab;
+        if let Some(other) = executors.iter().find(|e| e.hyperparams().vocab != vocab) {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "model `{}` has a vocabulary of {} tokens, `{}` has {vocab}; routed models must share one",
+                other.name(),
+                other.hyperparams().vocab,
+                executors[0].name()
+            )));
+        }
+        let stats = Arc::new(RuntimeStats::new(config.models.len()));
+        let live = Arc::new(DashMap::new());
+        let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
+        let batch_arbiter = Arbiter::new();
+        let batchers: Vec<Addr<BatcherActor>> = config
+            .models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let (live, stats) = (live.clone(), stats.clone());
+                let threshold = m.batch_threshold;
+                BatcherActor::start_in_arbiter(&batch_arbiter.handle(), move |_| {
+                    BatcherActor::new(i, mode, threshold, timeout, live, stats)
+                })
+            })
+            .collect();
+        let global_step_lock = (mode == ExecutionMode::Lockstep).then(|| Arc::new(Mutex::new(())));
+        let mut slots = Vec::new();
+        for (idx, (executor, model_config)) in executors.into_iter().zip(&config.models).enumerate()
+        {
+            let arbiter = Arbiter::new();
+            let parts = ModelActorParts {
+                idx,
+                executor,
+                mode,
+                peers: batchers.clone(),
+                live: live.clone(),
+                stats: stats.clone(),
+                global_step_lock: global_step_lock.clone(),
+                fault_every_steps: model_config.fault_every_steps,
+            };
+            let model =
+                Supervisor::start_in_arbiter(&arbiter.handle(), move |_| ModelActor::new(parts));
+            batchers[idx].do_send(AttachModel(model.clone()));
+            slots.push(ModelSlot {
+                name: model_config.name.clone(),
+                model,
+                batcher: batchers[idx].clone(),
+                arbiter,
+            });
+        }
+        Ok(Self {
+            slots,
+            batch_arbiter,
+            policies,
+            tokenizer,
+            eos,
+            live,
+            next_rid: AtomicU64::new(1),
+            stats,
+            mode,
+        })
+    }
+
+    pub fn mode(&self) -> ExecutionMode {
+        self.mode
+    }
+
+    pub fn tokenizer(&self) -> &Arc<ModelTokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn stats(&self) -> &Arc<RuntimeStats> {
+        &self.stats
+    }
+
+    pub fn model_names(&self) -> Vec<&str> {
+        self.slots.iter().map(|s| s.name.as_str()).collect()
+    }
+
+    pub fn policies(&self) -> &PolicyRegistry {
+        &self.policies
+    }
+
+    /// Requests that have not ended yet.
+    pub fn live_requests(&self) -> usize {
+        self.live.len()
+    }
+
+    /// KV tokens held per model, as last reported by the model actors.
+    pub fn kv_tokens_used(&self) -> Vec<usize> {
+        self.stats
+            .models
+            .iter()
+            .map(|m| m.kv_tokens_used.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Starts a generation; its tokens arrive on the handle's event stream.
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestHandle, RuntimeError> {
+        let policy = match &request.policy {
+            Some(name) => self
+                .policies
+                .get(name)
+                .ok_or_else(|| RuntimeError::UnknownPolicy(name.clone()))?,
+            None => self.policies.default_policy(),
+        };
+        if request.prompt.is_empty() {
+            return Err(RuntimeError::InvalidRequest(
+                "the prompt has no tokens".into(),
+            ));
+        }
+        if request.max_tokens == 0 {
+            return Err(RuntimeError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
+        let seed = request.sampling.seed;
+        let mut state = RoutingState::new(rid, request.prompt, self.slots.len(), seed);
+        state.current = policy.entry(&RequestInfo {
+            rid,
+            prompt_len: state.prompt_len,
+            seed,
+        });
+        let (tx, rx) = unbounded_channel();
+        self.live.insert(rid, ());
+        let models = self.slots.iter().map(|s| s.model.clone()).collect();
+        let batchers = self.slots.iter().map(|s| s.batcher.clone()).collect();
+        let actor = RequestActor::new(
+            rid,
+            tx,
+            models,
+            batchers,
+            self.live.clone(),
+            request.timeout,
+        )
+        .start();
+        let policy_name = policy.name().to_string();
+        let in_flight = InFlight {
+            stats: RoutingStats {
+                tokens_per_model: vec![0; self.slots.len()],
+                handoffs: 0,
+            },
+            params: RequestParams {
+                max_tokens: request.max_tokens,
+                sampling: request.sampling,
+                eos: self.eos.clone(),
+                policy,
+            },
+            state,
+            client: actor.clone(),
+            handoff: None,
+            arrived: Instant::now(),
+        };
+        actor.do_send(Start(in_flight));
+        Ok(RequestHandle {
+            rid,
+            policy: policy_name,
+            events: rx,
+            actor,
+            submitted: Instant::now(),
+        })
+    }
+
+    /// Stops every actor thread.
+    pub fn shutdown(self) {
+        for slot in &self.slots {
+            slot.arbiter.stop();
+        }
+        self.batch_arbiter.stop();
+    }
+}

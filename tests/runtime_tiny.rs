@@ -1,0 +1,357 @@
+//! Runtime tests on tiny random models: determinism across modes and concurrency, pending
+//! resume, concurrent stepping, supervision and cancellation.
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use common::{Arch, TinySpec};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use tokenrouter::config::{Config, ExecutionMode};
+use tokenrouter::engine::SamplingParams;
+use tokenrouter::runtime::stats::{ModelStats, StepInterval};
+use tokenrouter::runtime::{Completion, GenerateRequest, RequestEvent, Runtime, RuntimeError};
+
+/// Two tiny models of one vocabulary (different seeds), an `me` policy over both.
+fn pair_config(dir: &Path, spec: TinySpec, extra_model_toml: &str) -> Config {
+    let a = common::write_gguf(&dir.join("a.gguf"), &spec, GgmlDType::Q8_0);
+    let b_spec = TinySpec {
+        seed: spec.seed + 1,
+        ..spec
+    };
+    let b = common::write_gguf(&dir.join("b.gguf"), &b_spec, GgmlDType::Q8_0);
+    Config::parse(&format!(
+        r#"
+[[models]]
+name = "small"
+path = "{}"
+batch_threshold = 2
+{extra_model_toml}
+[[models]]
+name = "large"
+path = "{}"
+batch_threshold = 3
+{extra_model_toml}
+[runtime]
+batch_timeout_ms = 5
+[[policies]]
+name = "me"
+kind = "me"
+models = ["small", "large"]
+weights = [0.5, 0.5]
+"#,
+        a.display(),
+        b.display()
+    ))
+    .unwrap()
+}
+
+fn prompts(n: usize) -> Vec<Vec<u32>> {
+    (0..n as u32)
+        .map(|i| {
+            (0..3 + i % 7)
+                .map(|j| 3 + (i * 13 + j * 29) % 270)
+                .collect()
+        })
+        .collect()
+}
+
+fn request(prompt: &[u32], policy: &str, max_tokens: usize, seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        prompt: prompt.to_vec(),
+        policy: Some(policy.into()),
+        max_tokens,
+        sampling: SamplingParams {
+            seed,
+            ..SamplingParams::greedy()
+        },
+        timeout: None,
+    }
+}
+
+/// Runs every prompt with at most `concurrency` requests in flight.
+async fn run_all(
+    rt: &Runtime,
+    prompts: &[Vec<u32>],
+    policy: &str,
+    concurrency: usize,
+    max_tokens: usize,
+) -> Vec<Result<Completion, RuntimeError>> {
+    let mut results = Vec::new();
+    let numbered: Vec<(u64, &Vec<u32>)> = (1000..).zip(prompts).collect();
+    for chunk in numbered.chunks(concurrency) {
+        let handles: Vec<_> = chunk
+            .iter()
+            .map(|&(seed, p)| rt.submit(request(p, policy, max_tokens, seed)).unwrap())
+            .collect();
+        for h in handles {
+            results.push(h.collect().await);
+        }
+    }
+    results
+}
+
+async fn wait_for_zero_kv(rt: &Runtime) {
+    let start = Instant::now();
+    while rt.kv_tokens_used().iter().any(|&t| t > 0) || rt.live_requests() > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "KV still held: {:?}",
+            rt.kv_tokens_used()
+        );
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[actix_rt::test]
+async fn committed_tokens_are_identical_across_modes_and_concurrency() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = pair_config(dir.path(), TinySpec::new(Arch::Llama), "");
+    let prompts = prompts(32);
+    let mut reference: Option<Vec<Vec<u32>>> = None;
+    for policy in ["me", "large"] {
+        reference = None;
+        for mode in ExecutionMode::ALL {
+            let rt = Runtime::start(&config, Some(mode)).unwrap();
+            for concurrency in [1, 8, 32] {
+                let tokens: Vec<Vec<u32>> = run_all(&rt, &prompts, policy, concurrency, 12)
+                    .await
+                    .into_iter()
+                    .map(|r| r.unwrap().token_ids)
+                    .collect();
+                match &reference {
+                    None => reference = Some(tokens),
+                    Some(want) => {
+                        assert_eq!(&tokens, want, "{policy} {mode:?} concurrency {concurrency}")
+                    }
+                }
+            }
+            wait_for_zero_kv(&rt).await;
+            rt.shutdown();
+        }
+    }
+    assert!(reference.unwrap().iter().all(|t| t.len() == 12));
+}
+
+#[actix_rt::test]
+async fn me_routes_through_both_models_and_reports_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = Runtime::start(
+        &pair_config(dir.path(), TinySpec::new(Arch::Qwen2), ""),
+        Some(ExecutionMode::Async),
+    )
+    .unwrap();
+    let out = rt
+        .submit(request(&[5, 6, 7], "me", 40, 3))
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(
+        out.routing.tokens_per_model.iter().sum::<usize>(),
+        out.token_ids.len()
+    );
+    assert!(
+        out.routing.tokens_per_model.iter().all(|&n| n > 5),
+        "{:?}",
+        out.routing
+    );
+    assert!(out.routing.handoffs > 5);
+    rt.shutdown();
+}
+
+fn counter(stats: &ModelStats) -> (u64, u64, u64) {
+    (
+        stats.tokens_processed.load(Ordering::Relaxed),
+        stats.kv_allocations.load(Ordering::Relaxed),
+        stats.prefix_lookups.load(Ordering::Relaxed),
+    )
+}
+
+#[actix_rt::test]
+async fn returning_requests_append_only_unseen_tokens_unless_standard() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = pair_config(dir.path(), TinySpec::new(Arch::Llama), "");
+    let prompt: Vec<u32> = (3..23).collect();
+    for mode in [
+        ExecutionMode::Async,
+        ExecutionMode::Tokenrouter,
+        ExecutionMode::Standard,
+    ] {
+        let rt = Runtime::start(&config, Some(mode)).unwrap();
+        let out = rt
+            .submit(request(&prompt, "me", 30, 11))
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        assert!(out.routing.handoffs >= 4, "{:?}", out.routing);
+        let final_len = (prompt.len() + out.token_ids.len()) as u64;
+        for m in 0..2 {
+            let (tokens, allocations, lookups) = counter(&rt.stats().models[m]);
+            // Each model processes every position at most once: a return appends only the
+            // tokens it has not seen, never the prompt again.
+            assert!(
+                tokens <= final_len,
+                "{mode:?} model {m}: {tokens} tokens for {final_len} positions"
+            );
+            match mode {
+                ExecutionMode::Standard => {
+                    assert!(
+                        allocations >= 2,
+                        "{mode:?} model {m}: a return allocates again"
+                    );
+                    assert!(
+                        lookups >= 2,
+                        "{mode:?} model {m}: a return looks up the prefix"
+                    );
+                }
+                _ => {
+                    assert_eq!(
+                        allocations, 1,
+                        "{mode:?} model {m}: one allocation per request"
+                    );
+                    assert_eq!(lookups, 0);
+                }
+            }
+        }
+        wait_for_zero_kv(&rt).await;
+        rt.shutdown();
+    }
+}
+
+fn overlapping(a: &[StepInterval], b: &[StepInterval]) -> usize {
+    a.iter()
+        .filter(|x| b.iter().any(|y| x.start < y.end && y.start < x.end))
+        .count()
+}
+
+#[actix_rt::test]
+async fn models_step_concurrently_in_async_and_never_in_lockstep() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        hidden: 256,
+        ffn: 1024,
+        layers: 6,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 32,
+        ..TinySpec::new(Arch::Llama)
+    };
+    let config = pair_config(dir.path(), spec, "");
+    for (mode, expect_overlap) in [
+        (ExecutionMode::Async, true),
+        (ExecutionMode::Lockstep, false),
+    ] {
+        let rt = Runtime::start(&config, Some(mode)).unwrap();
+        run_all(&rt, &prompts(8), "me", 8, 40).await;
+        let (a, b) = (
+            rt.stats().models[0].step_log(),
+            rt.stats().models[1].step_log(),
+        );
+        assert!(a.len() > 20 && b.len() > 20);
+        let overlaps = overlapping(&a, &b);
+        if expect_overlap {
+            assert!(
+                overlaps > 0,
+                "{mode:?}: no overlapping steps among {} and {}",
+                a.len(),
+                b.len()
+            );
+        } else {
+            assert_eq!(overlaps, 0, "{mode:?}: models stepped at the same time");
+        }
+        rt.shutdown();
+    }
+}
+
+#[actix_rt::test]
+async fn injected_faults_fail_requests_cleanly_and_the_actor_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = pair_config(
+        dir.path(),
+        TinySpec::new(Arch::Llama),
+        "fault_every_steps = 50",
+    );
+    let rt = Runtime::start(&config, Some(ExecutionMode::Tokenrouter)).unwrap();
+    let results = run_all(&rt, &prompts(32), "me", 32, 120).await;
+    let failed = results.iter().filter(|r| r.is_err()).count();
+    for r in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(r.to_string().contains("crashed"), "{r}");
+    }
+    assert!(failed > 0, "faults every 50 steps must hit some request");
+    let restarts: u64 = rt
+        .stats()
+        .models
+        .iter()
+        .map(|m| m.restarts.load(Ordering::Relaxed))
+        .sum();
+    assert!(restarts > 0);
+    wait_for_zero_kv(&rt).await;
+    let mut succeeded = 0;
+    for attempt in 0..20 {
+        if rt
+            .submit(request(&[4, 5, 6], "me", 4, attempt))
+            .unwrap()
+            .collect()
+            .await
+            .is_ok()
+        {
+            succeeded += 1;
+        }
+    }
+    assert!(
+        succeeded >= 10,
+        "only {succeeded}/20 later requests succeeded"
+    );
+    wait_for_zero_kv(&rt).await;
+    rt.shutdown();
+}
+
+#[actix_rt::test]
+async fn dropping_or_cancelling_a_request_frees_its_kv_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = Runtime::start(
+        &pair_config(dir.path(), TinySpec::new(Arch::Llama), ""),
+        Some(ExecutionMode::Async),
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (3..40).collect();
+    let mut handle = rt.submit(request(&prompt, "me", 400, 5)).unwrap();
+    for _ in 0..10 {
+        assert!(matches!(
+            handle.events.recv().await,
+            Some(RequestEvent::Token { .. })
+        ));
+    }
+    assert!(rt.kv_tokens_used().iter().sum::<usize>() > 0);
+    drop(handle);
+    wait_for_zero_kv(&rt).await;
+
+    let mut handle = rt.submit(request(&prompt, "me", 400, 6)).unwrap();
+    handle.events.recv().await.unwrap();
+    handle.cancel();
+    wait_for_zero_kv(&rt).await;
+    rt.shutdown();
+}
+
+#[actix_rt::test]
+async fn bad_requests_are_refused_with_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = Runtime::start(
+        &pair_config(dir.path(), TinySpec::new(Arch::Llama), ""),
+        None,
+    )
+    .unwrap();
+    let err = rt.submit(request(&[1, 2], "nope", 4, 0)).err().unwrap();
+    assert!(matches!(err, RuntimeError::UnknownPolicy(ref p) if p == "nope"));
+    assert!(rt.submit(request(&[], "me", 4, 0)).is_err());
+    assert!(rt.submit(request(&[1], "me", 0, 0)).is_err());
+    let mut timed = request(&(3..50).collect::<Vec<_>>(), "me", 100_000, 0);
+    timed.timeout = Some(Duration::from_millis(30));
+    let err = rt.submit(timed).unwrap().collect().await.unwrap_err();
+    assert!(err.to_string().contains("deadline"), "{err}");
+    wait_for_zero_kv(&rt).await;
+    rt.shutdown();
+}
