@@ -96,13 +96,20 @@ impl std::str::FromStr for ExecutionMode {
 #[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
     pub name: String,
-    /// The algorithm: `me` or `single`.
+    /// The algorithm: `r2r`, `citer`, `rstitch`, `colm`, `me` or `single`.
     pub kind: String,
     /// Model names, in the order the algorithm expects (SLM first for two-model policies).
     pub models: Vec<String>,
     /// `me`: one positive weight per model.
     #[serde(default)]
     pub weights: Vec<f64>,
+    /// The policy's decision threshold (θ, τ or η); the algorithm's default when absent.
+    #[serde(default)]
+    pub threshold: Option<f32>,
+    /// Learned router weights (safetensors) for `r2r`, `citer` or `colm`; without them the
+    /// policy runs its training-free rule and says so.
+    #[serde(default)]
+    pub router: Option<PathBuf>,
 }
 
 /// One served model: a checkpoint, optionally as a variant (layer subset, requantized weights).

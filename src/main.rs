@@ -94,6 +94,12 @@ struct BenchRoutingArgs {
     config: ConfigArg,
     #[arg(long, value_delimiter = ',', default_value = "me")]
     policy: Vec<String>,
+    /// Threshold sweep of one configured policy, e.g. `r2r=0.2,0.45,1.0`.
+    #[arg(long)]
+    sweep: Option<String>,
+    /// Model whose greedy output alone is the quality reference; the first model if absent.
+    #[arg(long)]
+    reference: Option<String>,
     #[arg(
         long,
         value_delimiter = ',',
@@ -359,9 +365,31 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
     {
         anyhow::bail!("--concurrency, --requests, --max-tokens and --rounds must be positive");
     }
+    let sweep = match &args.sweep {
+        None => None,
+        Some(spec) => {
+            let (name, values) = spec
+                .split_once('=')
+                .ok_or_else(|| anyhow!("--sweep takes POLICY=V1,V2,..., got `{spec}`"))?;
+            let values = values
+                .split(',')
+                .map(|v| {
+                    v.trim()
+                        .parse::<f32>()
+                        .map_err(|_| anyhow!("--sweep: `{v}` is not a number"))
+                })
+                .collect::<anyhow::Result<Vec<f32>>>()?;
+            Some((name.to_string(), values))
+        }
+    };
     let config = ready_config(&args.config)?;
+    let reference = args
+        .reference
+        .unwrap_or_else(|| config.models[0].name.clone());
     let settings = bench::routing::RoutingBenchSettings {
         policies: args.policy,
+        sweep,
+        reference,
         modes: args.mode,
         concurrency: args.concurrency,
         requests: args.requests,

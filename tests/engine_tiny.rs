@@ -283,6 +283,7 @@ fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
     let needs = Needs {
         hidden: true,
         top_k: 5,
+        embedding: true,
     };
     let out = executor
         .step(&[SeqWork {
@@ -295,6 +296,9 @@ fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
         .remove(0);
     assert_eq!(out.hidden.as_ref().map(Vec::len), Some(64));
     assert_eq!(out.stats.top_k.len(), 5);
+    let embedding = out.candidate_embedding.as_ref().unwrap();
+    assert_eq!(embedding.len(), 64);
+
     assert_eq!(
         out.stats.top_k[0].0, out.candidate,
         "greedy candidate is the top logit"

@@ -172,18 +172,59 @@ fn batch_of_16_ragged_sequences_equals_each_alone() {
     assert_eq!(executor.kv_usage().used_tokens, 0);
 }
 
+/// `config/default.toml` with model paths made absolute (tests run from any directory).
+fn default_config() -> tokenrouter::config::Config {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut config = tokenrouter::config::Config::load(&root.join("config/default.toml")).unwrap();
+    for m in &mut config.models {
+        m.path = root.join(&m.path);
+    }
+    config
+}
+
+/// Greedy outputs of `policy` for `prompts`, all in flight at once in `concurrency`-sized groups.
+async fn run_policy(
+    rt: &tokenrouter::runtime::Runtime,
+    policy: &str,
+    prompts: &[String],
+    concurrency: usize,
+    max_tokens: usize,
+) -> Vec<tokenrouter::runtime::Completion> {
+    use tokenrouter::runtime::GenerateRequest;
+    let mut outputs = Vec::new();
+    let numbered: Vec<(u64, &String)> = (0..).zip(prompts).collect();
+    for chunk in numbered.chunks(concurrency) {
+        let handles: Vec<_> = chunk
+            .iter()
+            .map(|&(seed, text)| {
+                let request = GenerateRequest {
+                    prompt: rt.tokenizer().encode(text).unwrap(),
+                    policy: Some(policy.into()),
+                    max_tokens,
+                    sampling: SamplingParams {
+                        seed,
+                        ..SamplingParams::greedy()
+                    },
+                    timeout: None,
+                };
+                rt.submit(request).unwrap()
+            })
+            .collect();
+        for h in handles {
+            outputs.push(h.collect().await.unwrap());
+        }
+    }
+    outputs
+}
+
 #[actix_rt::test]
 async fn me_on_the_real_pair_is_identical_across_modes_and_concurrency() {
-    use tokenrouter::config::{Config, ExecutionMode};
-    use tokenrouter::runtime::{GenerateRequest, Runtime};
+    use tokenrouter::config::ExecutionMode;
+    use tokenrouter::runtime::Runtime;
     if common::real_model().is_none() {
         return;
     }
-    let config_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/default.toml");
-    let mut config = Config::load(&config_path).unwrap();
-    for m in &mut config.models {
-        m.path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&m.path);
-    }
+    let config = default_config();
     let words: Vec<&str> = PROMPTS.iter().flat_map(|p| p.split(' ')).collect();
     let prompts: Vec<String> = (0..32)
         .map(|i| words[i * 5..i * 5 + 3 + i % 4].join(" "))
@@ -192,33 +233,78 @@ async fn me_on_the_real_pair_is_identical_across_modes_and_concurrency() {
     for mode in ExecutionMode::ALL {
         let rt = Runtime::start(&config, Some(mode)).unwrap();
         for concurrency in [1, 8, 32] {
-            let mut outputs = Vec::new();
-            let numbered: Vec<(u64, &String)> = (0..).zip(&prompts).collect();
-            for chunk in numbered.chunks(concurrency) {
-                let handles: Vec<_> = chunk
-                    .iter()
-                    .map(|&(seed, text)| {
-                        let request = GenerateRequest {
-                            prompt: rt.tokenizer().encode(text).unwrap(),
-                            policy: Some("me".into()),
-                            max_tokens: 6,
-                            sampling: SamplingParams {
-                                seed,
-                                ..SamplingParams::greedy()
-                            },
-                            timeout: None,
-                        };
-                        rt.submit(request).unwrap()
-                    })
-                    .collect();
-                for h in handles {
-                    let out = h.collect().await.unwrap();
-                    outputs.push(out.token_ids);
-                }
-            }
+            let outputs: Vec<Vec<u32>> = run_policy(&rt, "me", &prompts, concurrency, 6)
+                .await
+                .into_iter()
+                .map(|c| c.token_ids)
+                .collect();
             match &reference {
                 None => reference = Some(outputs),
                 Some(want) => assert_eq!(&outputs, want, "{mode:?} at concurrency {concurrency}"),
+            }
+        }
+        rt.shutdown();
+    }
+}
+
+#[actix_rt::test]
+async fn every_routing_policy_runs_on_the_real_pair_identically_in_all_modes() {
+    use tokenrouter::config::ExecutionMode;
+    use tokenrouter::runtime::Runtime;
+    if common::real_model().is_none() {
+        return;
+    }
+    let mut config = default_config();
+    // Each algorithm also at its published default threshold, next to the calibrated one.
+    let defaults: Vec<_> = config
+        .policies
+        .iter()
+        .filter(|p| p.kind != "me")
+        .map(|p| tokenrouter::config::PolicyConfig {
+            name: format!("{}-default", p.name),
+            threshold: None,
+            ..p.clone()
+        })
+        .collect();
+    config.policies.extend(defaults);
+    let template = {
+        let tok = ModelTokenizer::load(&config.models[0].path).unwrap();
+        tokenrouter::engine::chat::ChatTemplate::for_model(&tok).unwrap()
+    };
+    let prompts: Vec<String> = ["How does a printing press work?", "How do I bake bread?"]
+        .iter()
+        .map(|q| {
+            let message = tokenrouter::engine::chat::ChatMessage::user(*q);
+            template.render(&[message], true).unwrap()
+        })
+        .collect();
+    let calibrated = ["r2r", "citer", "rstitch", "colm"];
+    let mut reference: std::collections::HashMap<String, Vec<Vec<u32>>> = Default::default();
+    for mode in ExecutionMode::ALL {
+        let rt = Runtime::start(&config, Some(mode)).unwrap();
+        for policy in calibrated
+            .iter()
+            .flat_map(|p| [p.to_string(), format!("{p}-default")])
+        {
+            let outputs = run_policy(&rt, &policy, &prompts, 2, 12).await;
+            if calibrated.contains(&policy.as_str()) {
+                let per_model = outputs.iter().fold(vec![0; 2], |acc, c| {
+                    acc.iter()
+                        .zip(&c.routing.tokens_per_model)
+                        .map(|(a, b)| a + b)
+                        .collect()
+                });
+                assert!(
+                    per_model.iter().all(|&n| n > 0),
+                    "{policy} {mode:?}: tokens per model {per_model:?}"
+                );
+            }
+            let tokens: Vec<Vec<u32>> = outputs.into_iter().map(|c| c.token_ids).collect();
+            match reference.get(&policy) {
+                None => {
+                    reference.insert(policy, tokens);
+                }
+                Some(want) => assert_eq!(&tokens, want, "{policy} in {mode:?}"),
             }
         }
         rt.shutdown();

@@ -133,6 +133,12 @@ impl LlamaModel {
             .collect())
     }
 
+    pub fn embedding_row(&self, token: u32) -> &[f32] {
+        let hidden = self.weights.hp.hidden;
+        let t = token as usize;
+        &self.weights.embedding[t * hidden..(t + 1) * hidden]
+    }
+
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
         let hidden = self.weights.hp.hidden;
         let mut x = Vec::with_capacity(tokens.len() * hidden);

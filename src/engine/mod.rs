@@ -24,6 +24,8 @@ pub struct Needs {
     pub hidden: bool,
     /// How many of the largest logits to report.
     pub top_k: usize,
+    /// The input-embedding row of the sampled candidate (R2R's router reads it).
+    pub embedding: bool,
 }
 
 /// One sequence's share of a step: the tokens this model has not seen yet (prompt, handoff
@@ -45,6 +47,7 @@ pub struct StepOutput {
     pub logits: Vec<f32>,
     pub stats: LogitStats,
     pub hidden: Option<Vec<f32>>,
+    pub candidate_embedding: Option<Vec<f32>>,
 }
 
 pub struct Executor {
@@ -123,10 +126,15 @@ impl Executor {
             .zip(last)
             .map(|(w, out)| {
                 let position = self.kv.seq_len(w.seq);
+                let candidate = sampling::sample(&out.logits, &w.sampling, position);
                 StepOutput {
                     seq: w.seq,
                     position,
-                    candidate: sampling::sample(&out.logits, &w.sampling, position),
+                    candidate,
+                    candidate_embedding: w
+                        .needs
+                        .embedding
+                        .then(|| self.model.embedding_row(candidate).to_vec()),
                     stats: sampling::logit_stats(&out.logits, w.needs.top_k),
                     hidden: w.needs.hidden.then_some(out.hidden),
                     logits: out.logits,

@@ -1,7 +1,7 @@
 //! `me` (mixture-ensemble): after every token the next model is drawn from fixed weights.
 //! The draw is seeded by (request seed, position), so it never depends on scheduling.
 
-use super::{ModelIdx, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -60,6 +60,30 @@ impl RoutingPolicy for MixtureEnsemble {
         &self.name
     }
 
+    fn describe(&self) -> PolicyInfo {
+        let mut previous = 0.0;
+        let weights: Vec<String> = self
+            .cumulative
+            .iter()
+            .map(|c| {
+                let w = c - previous;
+                previous = *c;
+                format!("{w:.2}")
+            })
+            .collect();
+        PolicyInfo {
+            name: self.name.clone(),
+            kind: "me",
+            models: self.models.clone(),
+            learned_router: false,
+            rule: format!(
+                "seeded draw after every token, weights [{}]",
+                weights.join(", ")
+            ),
+            threshold: None,
+        }
+    }
+
     fn models(&self) -> &[ModelIdx] {
         &self.models
     }
@@ -82,7 +106,6 @@ impl RoutingPolicy for MixtureEnsemble {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::LogitStats;
 
     #[test]
     fn draws_follow_the_weights_and_are_reproducible() {
@@ -101,22 +124,12 @@ mod tests {
     #[test]
     fn route_switches_exactly_when_the_next_draw_differs() {
         let me = MixtureEnsemble::new("me", vec![0, 1], &[0.5, 0.5]).unwrap();
-        let stats = LogitStats {
-            entropy: 0.0,
-            max_prob: 1.0,
-            top_k: vec![],
-        };
+        let stats = crate::policy::testing::stats(0.0, 1.0);
         let mut state = RoutingState::new(1, vec![5, 6, 7], 2, 99);
         let (mut stays, mut switches) = (0, 0);
         for _ in 0..200 {
             state.current = me.draw(99, state.tokens.len());
-            let view = StepView {
-                model: state.current,
-                candidate: 1,
-                stats: &stats,
-                logits: &[],
-                hidden: None,
-            };
+            let view = crate::policy::testing::view(state.current, &stats, &[]);
             let next = me.draw(99, state.tokens.len() + 1);
             match me.route(&state, &view) {
                 Route::Stay => {

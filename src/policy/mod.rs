@@ -1,8 +1,13 @@
 //! Routing policies: pure, synchronous functions of one request's routing state and the step
 //! it just took. The runtime calls them per model, per step, over the batch (DESIGN §5).
 
+pub mod citer;
+pub mod colm;
 pub mod ensemble;
+pub mod learned;
+pub mod r2r;
 pub mod registry;
+pub mod rstitch;
 pub mod single;
 
 use crate::engine::{LogitStats, Needs};
@@ -65,6 +70,8 @@ pub struct StepView<'a> {
     pub stats: &'a LogitStats,
     pub logits: &'a [f32],
     pub hidden: Option<&'a [f32]>,
+    /// Input embedding of the candidate, when the policy asked for it.
+    pub embedding: Option<&'a [f32]>,
 }
 
 /// What `send` hands to the target model: the tokens it has not seen, from `anchor` on.
@@ -84,8 +91,41 @@ pub struct RequestInfo {
     pub seed: u64,
 }
 
+/// What `/v1/models` and the logs say about a policy: never a silent stand-in.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PolicyInfo {
+    pub name: String,
+    pub kind: &'static str,
+    pub models: Vec<ModelIdx>,
+    /// True when a learned router decides; false when the training-free rule does.
+    pub learned_router: bool,
+    pub rule: String,
+    pub threshold: Option<f32>,
+}
+
+impl PolicyInfo {
+    pub fn new<P: RoutingPolicy + ?Sized>(
+        policy: &P,
+        kind: &'static str,
+        learned_router: bool,
+        rule: String,
+        threshold: f32,
+    ) -> Self {
+        Self {
+            name: policy.name().to_string(),
+            kind,
+            models: policy.models().to_vec(),
+            learned_router,
+            rule,
+            threshold: Some(threshold),
+        }
+    }
+}
+
 pub trait RoutingPolicy: Send + Sync + 'static {
     fn name(&self) -> &str;
+
+    fn describe(&self) -> PolicyInfo;
 
     /// Signals the policy reads beyond the candidate and its cheap statistics.
     fn needs(&self) -> Needs {
@@ -127,3 +167,32 @@ pub trait RoutingPolicy: Send + Sync + 'static {
 }
 
 pub type SharedPolicy = Arc<dyn RoutingPolicy>;
+
+/// Hand-built step views for the policies' unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    pub fn stats(entropy: f32, max_prob: f32) -> LogitStats {
+        LogitStats {
+            entropy,
+            max_prob,
+            top_k: vec![],
+        }
+    }
+
+    pub fn view<'a>(model: ModelIdx, stats: &'a LogitStats, logits: &'a [f32]) -> StepView<'a> {
+        StepView {
+            model,
+            candidate: 7,
+            stats,
+            logits,
+            hidden: None,
+            embedding: None,
+        }
+    }
+
+    pub fn state() -> RoutingState {
+        RoutingState::new(1, vec![1, 2, 3], 2, 0)
+    }
+}

@@ -1,6 +1,6 @@
 //! `single`: one model serves alone; the baseline every routing policy is compared with.
 
-use super::{ModelIdx, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
 
 pub struct Single {
     name: String,
@@ -19,6 +19,17 @@ impl Single {
 impl RoutingPolicy for Single {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn describe(&self) -> PolicyInfo {
+        PolicyInfo {
+            name: self.name.clone(),
+            kind: "single",
+            models: self.model.to_vec(),
+            learned_router: false,
+            rule: "one model serves alone".into(),
+            threshold: None,
+        }
     }
 
     fn models(&self) -> &[ModelIdx] {

@@ -335,6 +335,7 @@ impl ModelActor {
                     stats: &outputs[i].stats,
                     logits: &outputs[i].logits,
                     hidden: outputs[i].hidden.as_deref(),
+                    embedding: outputs[i].candidate_embedding.as_deref(),
                 })
                 .collect();
             for (&i, route) in indices.iter().zip(policy.route_batch(&states, &views)) {

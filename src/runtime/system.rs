@@ -131,7 +131,6 @@ impl Runtime {
     /// Loads every configured model and starts its actors. `mode` overrides the config's.
     pub fn start(config: &Config, mode: Option<ExecutionMode>) -> Result<Self, RuntimeError> {
         let mode = mode.unwrap_or(config.runtime.mode);
-        let policies = PolicyRegistry::from_config(config)?;
         let tokenizer = Arc::new(ModelTokenizer::load(&config.models[0].path)?);
         let eos = Arc::new(tokenizer.eos.clone());
         let executors = config
@@ -147,6 +146,14 @@ impl Runtime {
                 other.hyperparams().vocab,
                 executors[0].name()
             )));
+        }
+        let hidden_sizes: Vec<usize> = executors.iter().map(|e| e.hyperparams().hidden).collect();
+        let policies = PolicyRegistry::from_config(config, &hidden_sizes)?;
+        for policy in policies.all() {
+            let info = policy.describe();
+            if info.kind != "single" {
+                eprintln!("policy `{}` ({}): {}", info.name, info.kind, info.rule);
+            }
         }
         let stats = Arc::new(RuntimeStats::new(config.models.len()));
         let live = Arc::new(DashMap::new());

@@ -401,3 +401,56 @@ pub fn real_model() -> Option<PathBuf> {
     );
     None
 }
+
+/// Random router weights under the names `policy::learned` documents, written to `path`.
+pub fn write_router(path: &Path, kind: &str, hidden: usize, seed: u64) -> HashMap<String, Tensor> {
+    let mut rng = Lcg(seed);
+    let mut w: HashMap<String, Tensor> = HashMap::new();
+    let mut linear = |w: &mut HashMap<String, Tensor>, name: &str, n_out: usize, n_in: usize| {
+        let scale = 1.0 / (n_in as f32).sqrt();
+        w.insert(
+            format!("{name}.weight"),
+            rng.tensor(&[n_out, n_in], scale, 0.0),
+        );
+        w.insert(format!("{name}.bias"), rng.tensor(&[n_out], 0.1, 0.0));
+    };
+    match kind {
+        "r2r" => {
+            let width = 32;
+            linear(&mut w, "topk_proj", hidden, 100);
+            linear(&mut w, "input_proj", width, 3 * hidden);
+            linear(&mut w, "backbone_proj", width, width);
+            for i in 0..2 {
+                linear(&mut w, &format!("blocks.{i}.norm"), width, 1);
+                w.insert(
+                    format!("blocks.{i}.norm.weight"),
+                    Lcg(seed + i).tensor(&[width], 0.1, 1.0),
+                );
+                linear(&mut w, &format!("blocks.{i}.fc1"), 4 * width, width);
+                linear(&mut w, &format!("blocks.{i}.fc2"), width, 4 * width);
+            }
+            linear(&mut w, "final_norm", width, 1);
+            w.insert(
+                "final_norm.weight".into(),
+                Lcg(seed + 9).tensor(&[width], 0.1, 1.0),
+            );
+            linear(&mut w, "head", 1, width);
+        }
+        "citer" => {
+            linear(&mut w, "fc1", 2 * hidden, hidden);
+            let mut bn = Lcg(seed + 3);
+            w.insert("bn.weight".into(), bn.tensor(&[2 * hidden], 0.2, 1.0));
+            w.insert("bn.bias".into(), bn.tensor(&[2 * hidden], 0.1, 0.0));
+            w.insert("bn.running_mean".into(), bn.tensor(&[2 * hidden], 0.1, 0.0));
+            w.insert("bn.running_var".into(), bn.tensor(&[2 * hidden], 0.3, 1.0));
+            linear(&mut w, "fc2", hidden, 2 * hidden);
+            linear(&mut w, "head", 1, hidden);
+        }
+        "colm" => linear(&mut w, "defer", 1, hidden),
+        other => panic!("unknown router kind {other}"),
+    }
+    // Norm layers got a throwaway [n, 1] weight from `linear`; keep only 1-D norm tensors.
+    w.retain(|name, t| !(name.contains("norm") && t.rank() == 2));
+    candle_core::safetensors::save(&w, path).unwrap();
+    w
+}

@@ -1,0 +1,274 @@
+//! Learned routers against a direct tensor computation, their load-time validation, and the
+//! extreme thresholds through the runtime.
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{Device, Tensor, D};
+use common::{Arch, TinySpec};
+use std::collections::HashMap;
+use tokenrouter::config::{Config, ExecutionMode};
+use tokenrouter::engine::{LogitStats, SamplingParams};
+use tokenrouter::policy::learned::{CiterRouter, DeferralHead, R2rRouter};
+use tokenrouter::policy::registry::PolicyRegistry;
+use tokenrouter::policy::{Route, RoutingState, StepView};
+use tokenrouter::runtime::{GenerateRequest, Runtime};
+
+const HIDDEN: usize = 64;
+
+fn linear(w: &HashMap<String, Tensor>, name: &str, x: &Tensor) -> Tensor {
+    x.matmul(&w[&format!("{name}.weight")].t().unwrap())
+        .unwrap()
+        .broadcast_add(&w[&format!("{name}.bias")])
+        .unwrap()
+}
+
+fn layer_norm(w: &HashMap<String, Tensor>, name: &str, x: &Tensor) -> Tensor {
+    let mean = x.mean_keepdim(D::Minus1).unwrap();
+    let centred = x.broadcast_sub(&mean).unwrap();
+    let var = centred.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    centred
+        .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+        .unwrap()
+        .broadcast_mul(&w[&format!("{name}.weight")])
+        .unwrap()
+        .broadcast_add(&w[&format!("{name}.bias")])
+        .unwrap()
+}
+
+fn sigmoid(x: &Tensor) -> Vec<f32> {
+    x.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| 1.0 / (1.0 + (-v).exp()))
+        .collect()
+}
+
+fn random_rows(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..rows * cols)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+fn assert_close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-4, "{got:?} vs {want:?}");
+    }
+}
+
+#[test]
+fn r2r_router_matches_a_direct_tensor_computation_and_decides_per_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r2r.safetensors");
+    let w = common::write_router(&path, "r2r", HIDDEN, 5);
+    let router = R2rRouter::load(&path, HIDDEN).unwrap();
+    let rows = 6;
+    let (hidden, embedding) = (random_rows(rows, HIDDEN, 1), random_rows(rows, HIDDEN, 2));
+    let mut top = random_rows(rows, 100, 3);
+    for row in top.chunks_mut(100) {
+        row.sort_by(|a, b| b.total_cmp(a));
+    }
+    let got = router.score(&hidden, &embedding, &top);
+
+    let dev = Device::Cpu;
+    let t = |v: &[f32], c: usize| Tensor::from_slice(v, (rows, c), &dev).unwrap();
+    let u = linear(&w, "topk_proj", &t(&top, 100));
+    let joined = Tensor::cat(&[t(&hidden, HIDDEN), t(&embedding, HIDDEN), u], 1).unwrap();
+    let mut x = linear(&w, "backbone_proj", &linear(&w, "input_proj", &joined));
+    for i in 0..2 {
+        let mid = linear(
+            &w,
+            &format!("blocks.{i}.fc1"),
+            &layer_norm(&w, &format!("blocks.{i}.norm"), &x),
+        );
+        x = (x + linear(&w, &format!("blocks.{i}.fc2"), &mid.gelu_erf().unwrap())).unwrap();
+    }
+    let want = sigmoid(&linear(&w, "head", &layer_norm(&w, "final_norm", &x)));
+    assert_close(&got, &want);
+
+    // The policy scores the batch and applies p >= θ to SLM rows only.
+    let threshold = want.iter().copied().fold(0.0, f32::max) - 1e-3;
+    let policy = tokenrouter::policy::r2r::R2r::new("r2r", 0, 1, Some(threshold), Some(router));
+    let stats: Vec<LogitStats> = top
+        .chunks(100)
+        .map(|row| LogitStats {
+            entropy: 0.0,
+            max_prob: 0.0,
+            top_k: row
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l))
+                .collect(),
+        })
+        .collect();
+    let state = RoutingState::new(1, vec![1], 2, 0);
+    let views: Vec<StepView> = (0..rows)
+        .map(|r| StepView {
+            model: 0,
+            candidate: 1,
+            stats: &stats[r],
+            logits: &[],
+            hidden: Some(&hidden[r * HIDDEN..(r + 1) * HIDDEN]),
+            embedding: Some(&embedding[r * HIDDEN..(r + 1) * HIDDEN]),
+        })
+        .collect();
+    let states = vec![&state; rows];
+    use tokenrouter::policy::RoutingPolicy;
+    let routes = policy.route_batch(&states, &views);
+    for (route, p) in routes.iter().zip(&want) {
+        let expected = if *p >= threshold {
+            Route::RejectAndSwitch(1)
+        } else {
+            Route::Stay
+        };
+        assert_eq!(*route, expected, "p = {p}, θ = {threshold}");
+    }
+    assert!(routes.contains(&Route::Stay) && routes.contains(&Route::RejectAndSwitch(1)));
+}
+
+#[test]
+fn citer_router_and_deferral_head_match_direct_computations() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = 5;
+    let hidden = random_rows(rows, HIDDEN, 8);
+    let h = Tensor::from_slice(&hidden, (rows, HIDDEN), &Device::Cpu).unwrap();
+
+    let path = dir.path().join("citer.safetensors");
+    let w = common::write_router(&path, "citer", HIDDEN, 6);
+    let got = CiterRouter::load(&path, HIDDEN).unwrap().score(&hidden);
+    let x = linear(&w, "fc1", &h);
+    let normed = x
+        .broadcast_sub(&w["bn.running_mean"])
+        .unwrap()
+        .broadcast_div(
+            &(w["bn.running_var"].clone() + 1e-5)
+                .unwrap()
+                .sqrt()
+                .unwrap(),
+        )
+        .unwrap()
+        .broadcast_mul(&w["bn.weight"])
+        .unwrap()
+        .broadcast_add(&w["bn.bias"])
+        .unwrap()
+        .relu()
+        .unwrap();
+    assert_close(
+        &got,
+        &sigmoid(&linear(&w, "head", &linear(&w, "fc2", &normed))),
+    );
+
+    let path = dir.path().join("colm.safetensors");
+    let w = common::write_router(&path, "colm", HIDDEN, 7);
+    let got = DeferralHead::load(&path, HIDDEN).unwrap().score(&hidden);
+    assert_close(&got, &sigmoid(&linear(&w, "defer", &h)));
+}
+
+fn pair_config(dir: &std::path::Path, policies: &str) -> Config {
+    let spec = TinySpec::new(Arch::Llama);
+    let slm = common::write_gguf(&dir.join("slm.gguf"), &spec, GgmlDType::Q8_0);
+    let llm = common::write_gguf(
+        &dir.join("llm.gguf"),
+        &TinySpec { seed: 99, ..spec },
+        GgmlDType::Q8_0,
+    );
+    Config::parse(&format!(
+        "[[models]]\nname = \"slm\"\npath = \"{}\"\n[[models]]\nname = \"llm\"\npath = \"{}\"\n{policies}",
+        slm.display(),
+        llm.display()
+    ))
+    .unwrap()
+}
+
+#[test]
+fn routers_are_validated_against_the_model_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let router = dir.path().join("r2r.safetensors");
+    common::write_router(&router, "r2r", 48, 1);
+    let config = pair_config(
+        dir.path(),
+        &format!("[[policies]]\nname = \"r2r\"\nkind = \"r2r\"\nmodels = [\"slm\", \"llm\"]\nrouter = \"{}\"\n", router.display()),
+    );
+    let err = PolicyRegistry::from_config(&config, &[HIDDEN, HIDDEN])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("policies.r2r") && err.contains("hidden size"),
+        "{err}"
+    );
+    let missing = pair_config(
+        dir.path(),
+        "[[policies]]\nname = \"c\"\nkind = \"citer\"\nmodels = [\"slm\", \"llm\"]\nrouter = \"/nonexistent.safetensors\"\n",
+    );
+    let err = PolicyRegistry::from_config(&missing, &[HIDDEN, HIDDEN])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("not found"), "{err}");
+}
+
+async fn generate(rt: &Runtime, policy: &str) -> (Vec<u32>, Vec<usize>) {
+    let out = rt
+        .submit(GenerateRequest {
+            prompt: vec![5, 9, 14, 30, 42],
+            policy: Some(policy.into()),
+            max_tokens: 24,
+            sampling: SamplingParams::greedy(),
+            timeout: None,
+        })
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    (out.token_ids, out.routing.tokens_per_model)
+}
+
+#[actix_rt::test]
+async fn r2r_extreme_thresholds_reduce_to_one_model_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let router = dir.path().join("r2r.safetensors");
+    common::write_router(&router, "r2r", HIDDEN, 4);
+    let policy = |name: &str, threshold: f32| {
+        format!(
+            "[[policies]]\nname = \"{name}\"\nkind = \"r2r\"\nmodels = [\"slm\", \"llm\"]\nthreshold = {threshold}\nrouter = \"{}\"\n",
+            router.display()
+        )
+    };
+    let config = pair_config(
+        dir.path(),
+        &(policy("all-llm", 0.0) + &policy("all-slm", 1.5) + &policy("mixed", 0.5)),
+    );
+    for mode in [ExecutionMode::Async, ExecutionMode::Standard] {
+        let rt = Runtime::start(&config, Some(mode)).unwrap();
+        let (llm_alone, _) = generate(&rt, "llm").await;
+        let (slm_alone, _) = generate(&rt, "slm").await;
+        assert_ne!(
+            llm_alone, slm_alone,
+            "the two tiny models must differ for this test to mean anything"
+        );
+        let (tokens, per_model) = generate(&rt, "all-llm").await;
+        assert_eq!(tokens, llm_alone);
+        assert_eq!(per_model, vec![0, tokens.len()]);
+        let (tokens, per_model) = generate(&rt, "all-slm").await;
+        assert_eq!(tokens, slm_alone);
+        assert_eq!(per_model, vec![tokens.len(), 0]);
+        assert!(
+            rt.policies()
+                .get("mixed")
+                .unwrap()
+                .describe()
+                .learned_router
+        );
+        rt.shutdown();
+    }
+}
