@@ -15,6 +15,33 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     #[serde(default)]
     pub policies: Vec<PolicyConfig>,
+    #[serde(default)]
+    pub tuning: Option<TuningConfig>,
+}
+
+/// Inputs of the delayed-batching model for `tokenrouter tune` (per model, in config order).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TuningConfig {
+    /// `routing[i][j]`: probability that a step on model i is followed by one on j.
+    pub routing: Vec<Vec<f64>>,
+    /// `commits[i][j]`: tokens committed on that transition.
+    pub commits: Vec<Vec<f64>>,
+    /// Per model `[a, c]`: step latency a + c·batch in ms.
+    pub latency_ms: Vec<[f64; 2]>,
+    /// B*(N) is tabulated for N = 1..=max_requests.
+    #[serde(default = "default_max_requests")]
+    pub max_requests: usize,
+    #[serde(default = "default_delta_ms")]
+    pub delta_ms: f64,
+}
+
+fn default_max_requests() -> usize {
+    8
+}
+
+fn default_delta_ms() -> f64 {
+    0.1
 }
 
 /// How requests move between model actors.
@@ -212,6 +239,14 @@ impl Config {
                         policy.name
                     )));
                 }
+            }
+        }
+        if let Some(t) = &self.tuning {
+            let m = self.models.len();
+            if t.routing.len() != m || t.commits.len() != m || t.latency_ms.len() != m {
+                return Err(ConfigError::Invalid(format!(
+                    "tuning: routing, commits and latency_ms need one row per model ({m})"
+                )));
             }
         }
         if let Some(default) = &self.runtime.default_policy {

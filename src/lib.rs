@@ -7,3 +7,4 @@ pub mod error;
 pub mod fetch;
 pub mod policy;
 pub mod runtime;
+pub mod tuning;

@@ -33,6 +33,19 @@ enum Command {
     /// List or fetch the configured models.
     #[command(subcommand)]
     Models(ModelsCommand),
+    /// Delayed-batching thresholds from the Markov model of routing.
+    Tune(TuneArgs),
+}
+
+#[derive(Args)]
+struct TuneArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Print the paper's validation grid and the worked example instead.
+    #[arg(long)]
+    validate_paper: bool,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -183,6 +196,7 @@ fn main() {
         Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
         Command::Bench(BenchCommand::Routing(args)) => run_bench_routing(args),
         Command::Models(ModelsCommand::List { config, json }) => run_models_list(&config, json),
+        Command::Tune(args) => run_tune(args),
         Command::Models(ModelsCommand::Fetch { config }) => {
             load_config(&config).and_then(|c| fetch::ensure_models_present(&c))
         }
@@ -402,6 +416,104 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&rows)?);
     } else {
         print!("{}", bench::routing::markdown(&rows));
+    }
+    Ok(())
+}
+
+fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
+    use tokenrouter::tuning::{paper, predict, search, AffineLatency, DtmcModel};
+    if args.validate_paper {
+        let model = paper::validation_model();
+        let mut rows = Vec::new();
+        for (n, b1, paper_value) in paper::VALIDATION_GRID {
+            let p = predict(&model, n, &[1, b1])?;
+            rows.push(json!({"n": n, "b1": b1, "predicted": p.throughput, "paper": paper_value, "states": p.states}));
+        }
+        let example = search(&paper::worked_example(), paper::WORKED_EXAMPLE_N)?;
+        let (best, best_prediction) = &example[0];
+        let worked = json!({
+            "n": paper::WORKED_EXAMPLE_N,
+            "best": best,
+            "predicted": best_prediction.throughput,
+            "expected": paper::WORKED_EXAMPLE_OPTIMUM,
+            "large_busy_fraction": best_prediction.busy_fraction[1],
+            "large_admission_delay_ms": best_prediction.admission_delay_ms[1],
+            "all": example.iter().map(|(b, p)| json!({"b": b, "predicted": p.throughput})).collect::<Vec<_>>(),
+        });
+        if args.json {
+            println!("{}", json!({"rows": rows, "worked_example": worked}));
+        } else {
+            println!("R2R validation (p = 0.35, L = 6.0 / 27.9 ms, δ = 0.1 ms, B_0 = 1)\n");
+            println!("| N | B_1 | predicted tok/s | paper | states |\n|---:|---:|---:|---:|---:|");
+            for r in &rows {
+                println!(
+                    "| {} | {} | {:.2} | {} | {} |",
+                    r["n"],
+                    r["b1"],
+                    r["predicted"].as_f64().unwrap_or(0.0),
+                    r["paper"],
+                    r["states"]
+                );
+            }
+            println!(
+                "\nworked example (N = 8, p = 0.05, L = 5 + 0.1b / 25 + 0.5b ms): best B = {:?} at {:.2} tok/s (expected {}); large model busy {:.0} %, admission delay {:.1} ms",
+                best,
+                best_prediction.throughput,
+                paper::WORKED_EXAMPLE_OPTIMUM,
+                best_prediction.busy_fraction[1] * 100.0,
+                best_prediction.admission_delay_ms[1]
+            );
+        }
+        return Ok(());
+    }
+    let config = load_config(&args.config)?;
+    let tuning = config.tuning.as_ref().ok_or_else(|| {
+        anyhow!(
+            "{} has no [tuning] section (routing, commits, latency_ms); see README",
+            args.config.config.display()
+        )
+    })?;
+    let model = DtmcModel {
+        routing: tuning.routing.clone(),
+        commits: tuning.commits.clone(),
+        latency: tuning
+            .latency_ms
+            .iter()
+            .map(|&[a_ms, c_ms]| AffineLatency { a_ms, c_ms })
+            .collect(),
+        delta_ms: tuning.delta_ms,
+        timeout_ms: vec![None; config.models.len()],
+    };
+    let mut table = Vec::new();
+    for n in 1..=tuning.max_requests {
+        let results = search(&model, n)?;
+        let eager = results
+            .iter()
+            .find(|(b, _)| b.iter().all(|&t| t == 1))
+            .map(|(_, p)| p.throughput);
+        let (best, p) = &results[0];
+        table.push(json!({"n": n, "thresholds": best, "predicted": p.throughput, "eager": eager, "admission_delay_ms": p.admission_delay_ms, "mean_batch": p.mean_batch}));
+    }
+    if args.json {
+        println!(
+            "{}",
+            json!({"models": config.models.iter().map(|m| &m.name).collect::<Vec<_>>(), "rows": table})
+        );
+    } else {
+        let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
+        println!(
+            "| N | B* ({}) | predicted tok/s | eager (all 1) tok/s |\n|---:|---|---:|---:|",
+            names.join(", ")
+        );
+        for r in &table {
+            println!(
+                "| {} | {} | {:.1} | {:.1} |",
+                r["n"],
+                r["thresholds"],
+                r["predicted"].as_f64().unwrap_or(0.0),
+                r["eager"].as_f64().unwrap_or(0.0)
+            );
+        }
     }
     Ok(())
 }

@@ -1,0 +1,8 @@
+//! The Markov model of routing (DESIGN §7): a DTMC over per-model (waiting, running batch,
+//! residual time, timeout clock) states, solved for its stationary distribution to predict
+//! throughput and admission delay for delayed-batching thresholds, and the threshold search.
+
+pub mod dtmc;
+pub mod paper;
+
+pub use dtmc::{predict, search, AffineLatency, DtmcModel, Prediction, TuneError};

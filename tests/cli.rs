@@ -1,0 +1,75 @@
+//! The command-line contract (DESIGN §11) for commands that need no model weights.
+
+use std::process::Command;
+
+fn tokenrouter(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn tune_validate_paper_json_reproduces_the_paper_grid() {
+    let out = tokenrouter(&["tune", "--validate-paper", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 9, "N = 2..4, B_1 = 1..N");
+    for row in rows {
+        let (got, want) = (
+            row["predicted"].as_f64().unwrap(),
+            row["paper"].as_f64().unwrap(),
+        );
+        assert!((got - want).abs() <= 0.1, "{row}");
+    }
+    let worked = &report["worked_example"];
+    assert!(
+        (worked["predicted"].as_f64().unwrap() - 1058.56).abs() < 0.1,
+        "{worked}"
+    );
+    assert_eq!(worked["best"][1], 1);
+}
+
+#[test]
+fn tune_prints_thresholds_for_the_default_config() {
+    let out = tokenrouter(&["tune", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert!(!rows.is_empty());
+    for row in rows {
+        let n = row["n"].as_u64().unwrap() as usize;
+        let thresholds = row["thresholds"].as_array().unwrap();
+        let slack: usize = thresholds
+            .iter()
+            .map(|t| t.as_u64().unwrap() as usize - 1)
+            .sum();
+        assert!(slack < n, "B* must be deadlock-free: {row}");
+        assert!(row["predicted"].as_f64().unwrap() >= row["eager"].as_f64().unwrap() - 1e-9);
+    }
+}
+
+#[test]
+fn bad_input_gets_a_message_naming_the_problem() {
+    let out = tokenrouter(&["models", "list", "--config", "/nonexistent.toml"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config /nonexistent.toml"));
+
+    let out = tokenrouter(&["bench", "routing", "--workload", "agent"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--workload `agent`"));
+
+    let out = tokenrouter(&["generate", "--prompt", "hi", "--top-p", "1.5"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--top-p"));
+}
