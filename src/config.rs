@@ -146,7 +146,12 @@ pub struct ModelConfig {
     pub name: String,
     /// A `.gguf` file or a Hugging Face directory (`config.json` + `*.safetensors`).
     /// Relative paths are resolved against the working directory.
+    #[serde(default)]
     pub path: PathBuf,
+    /// SIMULATION: instead of a model, a latency-profile executor whose steps sleep
+    /// `[a, c]` → a + c·batch ms (no `path` then); for checking scheduling on any machine.
+    #[serde(default)]
+    pub latency_profile_ms: Option<[f64; 2]>,
     /// Size of this model's own compute thread pool.
     #[serde(default = "default_threads")]
     pub threads: usize,
@@ -281,6 +286,22 @@ impl ModelConfig {
         }
         if self.threads == 0 {
             return field("threads", "must be at least 1");
+        }
+        match (&self.latency_profile_ms, self.path.as_os_str().is_empty()) {
+            (None, true) => {
+                return field(
+                    "path",
+                    "is required (or latency_profile_ms for a simulation)",
+                )
+            }
+            (Some(_), false) => return field("path", "a latency-profile simulation takes no path"),
+            (Some(l), true) if l.iter().any(|v| !v.is_finite() || *v < 0.0) => {
+                return field(
+                    "latency_profile_ms",
+                    "must be two non-negative numbers [a, c]",
+                )
+            }
+            _ => {}
         }
         if self.kv_tokens == 0 {
             return field("kv_tokens", "must be at least 1");

@@ -247,7 +247,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     };
     actix::System::new().block_on(async move {
         let runtime = Runtime::start(&config, args.mode)?;
-        let tokenizer = runtime.tokenizer().clone();
+        let tokenizer = runtime.tokenizer()?.clone();
         let text = if args.chat {
             ChatTemplate::for_model(&tokenizer)?.render(&[ChatMessage::user(prompt)], true)?
         } else {

@@ -8,7 +8,7 @@ use common::{Arch, TinySpec};
 use tokenrouter::config::WeightPrecision;
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork};
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
 use tokenrouter::error::EngineError;
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {

@@ -9,7 +9,7 @@ use candle_transformers::models::quantized_llama;
 use tokenrouter::bench::prompts::PROMPTS;
 use tokenrouter::engine::ops::argmax;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork};
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
     SeqWork {
@@ -198,7 +198,7 @@ async fn run_policy(
             .iter()
             .map(|&(seed, text)| {
                 let request = GenerateRequest {
-                    prompt: rt.tokenizer().encode(text).unwrap(),
+                    prompt: rt.tokenizer().unwrap().encode(text).unwrap(),
                     policy: Some(policy.into()),
                     max_tokens,
                     sampling: SamplingParams {

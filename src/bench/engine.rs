@@ -2,7 +2,7 @@
 //! Each batch row mixes sequences of different context lengths (a ragged batch).
 
 use super::{fit_affine, median};
-use crate::engine::{Executor, Needs, SamplingParams, SeqWork};
+use crate::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
 use serde::Serialize;
 use std::time::Instant;

@@ -6,7 +6,7 @@
 use super::median;
 use super::prompts::PROMPTS;
 use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Executor, Needs, SamplingParams, SeqWork};
+use crate::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
 use serde::Serialize;
 use std::time::Instant;

@@ -48,14 +48,15 @@ pub struct RoutingBenchRow {
 
 /// Short-reasoning workload: one sentence of the shipped texts as a chat question.
 fn short_prompts(runtime: &Runtime) -> Result<Vec<Vec<u32>>, RuntimeError> {
-    let template = ChatTemplate::for_model(runtime.tokenizer())?;
+    let tokenizer = runtime.tokenizer()?;
+    let template = ChatTemplate::for_model(tokenizer)?;
     PROMPTS
         .iter()
         .flat_map(|p| p.split(". "))
         .map(|sentence| {
             let ask = format!("Explain briefly: {sentence}.");
             let text = template.render(&[ChatMessage::user(ask)], true)?;
-            Ok(runtime.tokenizer().encode(&text)?)
+            Ok(tokenizer.encode(&text)?)
         })
         .collect()
 }

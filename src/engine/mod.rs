@@ -7,6 +7,7 @@ pub mod llama;
 pub mod ops;
 pub mod qmatmul;
 pub mod sampling;
+pub mod simulated;
 pub mod tokenizer;
 pub mod weights;
 
@@ -48,6 +49,51 @@ pub struct StepOutput {
     pub stats: LogitStats,
     pub hidden: Option<Vec<f32>>,
     pub candidate_embedding: Option<Vec<f32>>,
+}
+
+/// What the runtime needs from a model backend: ragged steps and per-sequence KV bookkeeping.
+/// The CPU executor, the latency-profile simulation and (later) the GPU backend implement it.
+pub trait StepExecutor: Send {
+    fn name(&self) -> &str;
+    fn vocab_size(&self) -> usize;
+    fn hidden_size(&self) -> usize;
+    /// One forward pass over all sequences of `work`; on error no sequence has changed.
+    fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>>;
+    /// The per-sequence KV bookkeeping every backend keeps.
+    fn kv(&self) -> &kv::KvStore;
+    fn kv_mut(&mut self) -> &mut kv::KvStore;
+
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.kv().seq_len(seq)
+    }
+
+    fn contains(&self, seq: SeqId) -> bool {
+        self.kv().contains(seq)
+    }
+
+    /// New sequence `dst` starting with a copy of `src`'s first `len` positions.
+    fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
+        self.kv_mut().fork_prefix(src, dst, len)
+    }
+
+    /// Rolls a sequence back to its first `len` positions.
+    fn truncate(&mut self, seq: SeqId, len: usize) {
+        self.kv_mut().truncate(seq, len)
+    }
+
+    /// Releases a sequence's KV; unknown ids are ignored (freeing is idempotent).
+    fn free(&mut self, seq: SeqId) {
+        self.kv_mut().free(seq)
+    }
+
+    /// Forgets every sequence: the KV store a restarted model starts with.
+    fn clear_kv(&mut self) {
+        self.kv_mut().clear()
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        self.kv().usage()
+    }
 }
 
 pub struct Executor {
@@ -102,10 +148,6 @@ impl Executor {
         })
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     pub fn hyperparams(&self) -> &Hyperparams {
         &self.model.weights.hp
     }
@@ -113,10 +155,23 @@ impl Executor {
     pub fn layer_count(&self) -> usize {
         self.model.layer_count()
     }
+}
 
-    /// Runs one forward pass over all sequences of `work` on this model's own thread pool.
-    /// On error no sequence has changed.
-    pub fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
+impl StepExecutor for Executor {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.weights.hp.vocab
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.model.weights.hp.hidden
+    }
+
+    /// Runs on this model's own thread pool.
+    fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
         let batch: Vec<(SeqId, &[u32])> =
             work.iter().map(|w| (w.seq, w.tokens.as_slice())).collect();
         let (model, kv) = (&self.model, &mut self.kv);
@@ -143,36 +198,11 @@ impl Executor {
             .collect())
     }
 
-    /// Tokens of `seq` this model holds in its KV cache.
-    pub fn seq_len(&self, seq: SeqId) -> usize {
-        self.kv.seq_len(seq)
+    fn kv(&self) -> &kv::KvStore {
+        &self.kv
     }
 
-    pub fn contains(&self, seq: SeqId) -> bool {
-        self.kv.contains(seq)
-    }
-
-    /// New sequence `dst` starting with a copy of `src`'s first `len` positions.
-    pub fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
-        self.kv.fork_prefix(src, dst, len)
-    }
-
-    /// Rolls a sequence back to its first `len` positions.
-    pub fn truncate(&mut self, seq: SeqId, len: usize) {
-        self.kv.truncate(seq, len)
-    }
-
-    /// Forgets every sequence: the KV store a restarted model starts with.
-    pub fn clear_kv(&mut self) {
-        self.kv.clear()
-    }
-
-    /// Releases a sequence's KV; unknown ids are ignored (freeing is idempotent).
-    pub fn free(&mut self, seq: SeqId) {
-        self.kv.free(seq)
-    }
-
-    pub fn kv_usage(&self) -> KvUsage {
-        self.kv.usage()
+    fn kv_mut(&mut self) -> &mut kv::KvStore {
+        &mut self.kv
     }
 }

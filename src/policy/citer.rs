@@ -3,7 +3,10 @@
 //! Without weights: the SLM's own top-1 probability stands in for the confidence.
 
 use super::learned::CiterRouter;
-use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{
+    hidden_rows, one_token_handoffs, slm_stats, ModelIdx, PolicyInfo, RequestInfo, Route,
+    RoutingPolicy, RoutingState, StepView,
+};
 use crate::engine::Needs;
 
 pub const DEFAULT_THRESHOLD: f32 = 0.9;
@@ -58,40 +61,11 @@ impl RoutingPolicy for Citer {
     }
 
     fn route_batch(&self, _reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route> {
-        let on_slm = |s: &&StepView| s.model == self.models[0];
-        let mut confidences = match &self.router {
-            Some(router) => {
-                let hidden: Vec<f32> = steps
-                    .iter()
-                    .filter(on_slm)
-                    .flat_map(|s| {
-                        s.hidden
-                            .expect("CITER asks for the hidden state")
-                            .iter()
-                            .copied()
-                    })
-                    .collect();
-                router.score(&hidden)
-            }
-            None => steps
-                .iter()
-                .filter(on_slm)
-                .map(|s| s.stats.max_prob)
-                .collect(),
-        }
-        .into_iter();
-        steps
-            .iter()
-            .map(|s| {
-                if s.model == self.models[1] {
-                    return Route::CommitThenSwitch(self.models[0]);
-                }
-                match confidences.next() {
-                    Some(c) if c < self.threshold => Route::RejectAndSwitch(self.models[1]),
-                    _ => Route::Stay,
-                }
-            })
-            .collect()
+        let confidences = match &self.router {
+            Some(router) => router.score(&hidden_rows(steps, self.models[0])),
+            None => slm_stats(steps, self.models[0], |s| s.max_prob),
+        };
+        one_token_handoffs(steps, self.models, confidences, |c| c < self.threshold)
     }
 
     fn describe(&self) -> PolicyInfo {

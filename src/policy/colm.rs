@@ -3,7 +3,10 @@
 //! Without the head: 1 − base max probability stands in for the deferral probability.
 
 use super::learned::DeferralHead;
-use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{
+    hidden_rows, one_token_handoffs, slm_stats, ModelIdx, PolicyInfo, RequestInfo, Route,
+    RoutingPolicy, RoutingState, StepView,
+};
 use crate::engine::Needs;
 
 pub const DEFAULT_THRESHOLD: f32 = 0.15;
@@ -58,40 +61,11 @@ impl RoutingPolicy for CoLlm {
     }
 
     fn route_batch(&self, _reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route> {
-        let on_base = |s: &&StepView| s.model == self.models[0];
-        let mut deferrals = match &self.head {
-            Some(head) => {
-                let hidden: Vec<f32> = steps
-                    .iter()
-                    .filter(on_base)
-                    .flat_map(|s| {
-                        s.hidden
-                            .expect("Co-LLM asks for the hidden state")
-                            .iter()
-                            .copied()
-                    })
-                    .collect();
-                head.score(&hidden)
-            }
-            None => steps
-                .iter()
-                .filter(on_base)
-                .map(|s| 1.0 - s.stats.max_prob)
-                .collect(),
-        }
-        .into_iter();
-        steps
-            .iter()
-            .map(|s| {
-                if s.model == self.models[1] {
-                    return Route::CommitThenSwitch(self.models[0]);
-                }
-                match deferrals.next() {
-                    Some(d) if d > self.threshold => Route::RejectAndSwitch(self.models[1]),
-                    _ => Route::Stay,
-                }
-            })
-            .collect()
+        let deferrals = match &self.head {
+            Some(head) => head.score(&hidden_rows(steps, self.models[0])),
+            None => slm_stats(steps, self.models[0], |s| 1.0 - s.max_prob),
+        };
+        one_token_handoffs(steps, self.models, deferrals, |d| d > self.threshold)
     }
 
     fn describe(&self) -> PolicyInfo {

@@ -168,6 +168,57 @@ pub trait RoutingPolicy: Send + Sync + 'static {
 
 pub type SharedPolicy = Arc<dyn RoutingPolicy>;
 
+/// The shape R2R, CITER and Co-LLM share: on the large model, commit its one token and hand
+/// back; on the small one, drop the candidate and hand over where `hand_over(score)` holds.
+/// `scores` holds one entry per small-model step, in order.
+pub fn one_token_handoffs(
+    steps: &[StepView],
+    [small, large]: [ModelIdx; 2],
+    scores: Vec<f32>,
+    hand_over: impl Fn(f32) -> bool,
+) -> Vec<Route> {
+    let mut scores = scores.into_iter();
+    steps
+        .iter()
+        .map(|s| {
+            if s.model != small {
+                return Route::CommitThenSwitch(small);
+            }
+            match scores.next() {
+                Some(score) if hand_over(score) => Route::RejectAndSwitch(large),
+                _ => Route::Stay,
+            }
+        })
+        .collect()
+}
+
+/// A statistic of each step on `model`, in order (a training-free rule's score).
+pub fn slm_stats(
+    steps: &[StepView],
+    model: ModelIdx,
+    stat: impl Fn(&LogitStats) -> f32,
+) -> Vec<f32> {
+    steps
+        .iter()
+        .filter(|s| s.model == model)
+        .map(|s| stat(s.stats))
+        .collect()
+}
+
+/// Concatenated hidden states of the steps on `model` (for a learned router's batch).
+pub fn hidden_rows(steps: &[StepView], model: ModelIdx) -> Vec<f32> {
+    steps
+        .iter()
+        .filter(|s| s.model == model)
+        .flat_map(|s| {
+            s.hidden
+                .expect("the policy asked for hidden states")
+                .iter()
+                .copied()
+        })
+        .collect()
+}
+
 /// Hand-built step views for the policies' unit tests.
 #[cfg(test)]
 pub(crate) mod testing {

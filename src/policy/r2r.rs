@@ -4,7 +4,10 @@
 //! Without weights: the R2R repo's own training-free rule, SLM entropy ≥ θ nats (0.45).
 
 use super::learned::{R2rRouter, R2R_TOP_K};
-use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{
+    hidden_rows, one_token_handoffs, slm_stats, ModelIdx, PolicyInfo, RequestInfo, Route,
+    RoutingPolicy, RoutingState, StepView,
+};
 use crate::engine::Needs;
 
 pub const DEFAULT_LEARNED_THRESHOLD: f32 = 0.5;
@@ -35,14 +38,6 @@ impl R2r {
             models: [slm, llm],
             threshold,
             router,
-        }
-    }
-
-    fn on_slm(&self, score: f32) -> Route {
-        if score >= self.threshold {
-            Route::RejectAndSwitch(self.models[1])
-        } else {
-            Route::Stay
         }
     }
 }
@@ -77,42 +72,23 @@ impl RoutingPolicy for R2r {
     }
 
     fn route_batch(&self, _reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route> {
-        let scores: Vec<f32> = match &self.router {
-            None => steps.iter().map(|s| s.stats.entropy).collect(),
+        let [slm, _] = self.models;
+        let scores = match &self.router {
+            None => slm_stats(steps, slm, |s| s.entropy),
             Some(router) => {
-                let (mut hidden, mut embedding, mut top) = (Vec::new(), Vec::new(), Vec::new());
-                for s in steps.iter().filter(|s| s.model == self.models[0]) {
-                    hidden.extend_from_slice(s.hidden.expect("R2R asks for the hidden state"));
+                let mut embedding = Vec::new();
+                let mut top = Vec::new();
+                for s in steps.iter().filter(|s| s.model == slm) {
                     embedding.extend_from_slice(s.embedding.expect("R2R asks for the embedding"));
                     let row_start = top.len();
                     top.extend(s.stats.top_k.iter().map(|&(_, l)| l));
                     // A vocabulary smaller than 100 pads with very unlikely logits.
                     top.resize(row_start + R2R_TOP_K, MISSING_LOGIT);
                 }
-                let mut slm_scores = router.score(&hidden, &embedding, &top).into_iter();
-                steps
-                    .iter()
-                    .map(|s| {
-                        if s.model == self.models[0] {
-                            slm_scores.next().unwrap_or(0.0)
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect()
+                router.score(&hidden_rows(steps, slm), &embedding, &top)
             }
         };
-        steps
-            .iter()
-            .zip(scores)
-            .map(|(s, score)| {
-                if s.model == self.models[1] {
-                    Route::CommitThenSwitch(self.models[0])
-                } else {
-                    self.on_slm(score)
-                }
-            })
-            .collect()
+        one_token_handoffs(steps, self.models, scores, |p| p >= self.threshold)
     }
 
     fn describe(&self) -> PolicyInfo {

@@ -9,7 +9,7 @@ use super::messages::{
 };
 use super::stats::{RuntimeStats, StepInterval};
 use crate::config::ExecutionMode;
-use crate::engine::{Executor, SeqId, SeqWork, StepOutput};
+use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput};
 use crate::policy::{ModelIdx, Route, StepView};
 use actix::prelude::*;
 use dashmap::DashMap;
@@ -29,7 +29,7 @@ struct CachedPrefix {
 pub struct ModelActor {
     idx: ModelIdx,
     name: String,
-    executor: Executor,
+    executor: Box<dyn StepExecutor>,
     mode: ExecutionMode,
     batcher: Addr<BatcherActor>,
     /// Every model's batcher, by model index (handoff targets).
@@ -51,7 +51,7 @@ pub struct ModelActor {
 /// Everything a model actor is built from (kept apart so the supervisor can restart it).
 pub struct ModelActorParts {
     pub idx: ModelIdx,
-    pub executor: Executor,
+    pub executor: Box<dyn StepExecutor>,
     pub mode: ExecutionMode,
     pub peers: Vec<Addr<BatcherActor>>,
     pub live: Arc<DashMap<u64, ()>>,

@@ -7,8 +7,9 @@ use super::model::{ModelActor, ModelActorParts};
 use super::request::{RequestActor, RequestEvent};
 use super::stats::RuntimeStats;
 use crate::config::{Config, ExecutionMode};
+use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Executor, SamplingParams};
+use crate::engine::{Executor, SamplingParams, StepExecutor};
 use crate::error::{ConfigError, EngineError};
 use crate::policy::registry::PolicyRegistry;
 use crate::policy::{RequestInfo, RoutingState};
@@ -119,7 +120,8 @@ pub struct Runtime {
     slots: Vec<ModelSlot>,
     batch_arbiter: Arbiter,
     policies: PolicyRegistry,
-    tokenizer: Arc<ModelTokenizer>,
+    /// `None` when every model is a latency-profile simulation.
+    tokenizer: Option<Arc<ModelTokenizer>>,
     eos: Arc<BTreeSet<u32>>,
     live: Arc<DashMap<u64, ()>>,
     next_rid: AtomicU64,
@@ -131,23 +133,42 @@ impl Runtime {
     /// Loads every configured model and starts its actors. `mode` overrides the config's.
     pub fn start(config: &Config, mode: Option<ExecutionMode>) -> Result<Self, RuntimeError> {
         let mode = mode.unwrap_or(config.runtime.mode);
-        let tokenizer = Arc::new(ModelTokenizer::load(&config.models[0].path)?);
-        let eos = Arc::new(tokenizer.eos.clone());
+        let tokenizer = match config
+            .models
+            .iter()
+            .find(|m| m.latency_profile_ms.is_none())
+        {
+            Some(m) => Some(Arc::new(ModelTokenizer::load(&m.path)?)),
+            None => None,
+        };
+        let eos = Arc::new(
+            tokenizer
+                .as_ref()
+                .map(|t| t.eos.clone())
+                .unwrap_or_default(),
+        );
         let executors = config
             .models
             .iter()
-            .map(Executor::load)
+            .map(|m| -> Result<Box<dyn StepExecutor>, RuntimeError> {
+                Ok(match m.latency_profile_ms {
+                    Some(latency) => {
+                        Box::new(LatencyProfileExecutor::new(&m.name, latency, m.kv_tokens))
+                    }
+                    None => Box::new(Executor::load(m)?),
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
-        let vocab = executors[0].hyperparams().vocab;
-        if let Some(other) = executors.iter().find(|e| e.hyperparams().vocab != vocab) {
+        let vocab = executors[0].vocab_size();
+        if let Some(other) = executors.iter().find(|e| e.vocab_size() != vocab) {
             return Err(RuntimeError::InvalidRequest(format!(
                 "model `{}` has a vocabulary of {} tokens, `{}` has {vocab}; routed models must share one",
                 other.name(),
-                other.hyperparams().vocab,
+                other.vocab_size(),
                 executors[0].name()
             )));
         }
-        let hidden_sizes: Vec<usize> = executors.iter().map(|e| e.hyperparams().hidden).collect();
+        let hidden_sizes: Vec<usize> = executors.iter().map(|e| e.hidden_size()).collect();
         let policies = PolicyRegistry::from_config(config, &hidden_sizes)?;
         for policy in policies.all() {
             let info = policy.describe();
@@ -213,8 +234,12 @@ impl Runtime {
         self.mode
     }
 
-    pub fn tokenizer(&self) -> &Arc<ModelTokenizer> {
-        &self.tokenizer
+    pub fn tokenizer(&self) -> Result<&Arc<ModelTokenizer>, RuntimeError> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            RuntimeError::InvalidRequest(
+                "every model is a latency-profile simulation: no tokenizer".into(),
+            )
+        })
     }
 
     pub fn stats(&self) -> &Arc<RuntimeStats> {

@@ -376,6 +376,7 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
     tokenrouter::config::ModelConfig {
         name: name.into(),
         path: path.to_path_buf(),
+        latency_profile_ms: None,
         threads: 1,
         kv_tokens: 4096,
         weights: tokenrouter::config::WeightPrecision::Stored,
