@@ -71,9 +71,10 @@ async fn measure(n: usize, b1: usize, window: Duration) -> f64 {
     rate
 }
 
-/// Wall-clock sensitive (steps are real sleeps), so it stays out of the default suite on
-/// shared 2-core machines: `cargo test --release --test latency_profile -- --ignored` on an
-/// idle machine.
+/// Wall-clock sensitive (steps are real sleeps) and slow: routing draws are random, so a
+/// window must hold ~500 LLM visits before the realised p settles near 0.35 (2.5 s windows
+/// measured 80 tok/s against 99.0 predicted at N=2, B1=1, with p realised at 0.39–0.41).
+/// Run alone on an idle machine: `cargo test --test latency_profile -- --ignored --nocapture`.
 #[actix_rt::test]
 #[ignore = "timing-sensitive; run alone on an idle machine with --ignored"]
 async fn measured_throughput_follows_the_dtmc_prediction() {
@@ -83,7 +84,7 @@ async fn measured_throughput_follows_the_dtmc_prediction() {
         let mut best_predicted = (0, 0.0);
         for b1 in 1..=n {
             let predicted = predict(&model, n, &[1, b1]).unwrap().throughput;
-            let measured = measure(n, b1, Duration::from_millis(2500)).await;
+            let measured = measure(n, b1, Duration::from_secs(15)).await;
             println!("N={n} B1={b1}: predicted {predicted:.1} tok/s, measured {measured:.1}");
             assert!(
                 (measured / predicted - 1.0).abs() < 0.10,
