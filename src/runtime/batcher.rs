@@ -168,7 +168,7 @@ impl Handler<Admit> for BatcherActor {
     type Result = ();
 
     fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) {
-        self.waiting.push_back(msg.0);
+        self.waiting.extend(msg.0);
         self.try_release(ctx);
     }
 }

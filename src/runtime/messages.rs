@@ -50,10 +50,12 @@ pub struct InFlight {
     pub arrived: Instant,
 }
 
-/// An arrival at a model's batcher: a new request or a returning handoff.
+/// Arrivals at a model's batcher: a new request, or every handoff one step sent there. A step's
+/// handoffs to one model travel together so the batcher judges its threshold on all of them
+/// at once (the paper's "route all completions, then launch").
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Admit(pub InFlight);
+pub struct Admit(pub Vec<InFlight>);
 
 /// Batcher → model: run the next step with these arrivals added to the resident set.
 #[derive(Message)]

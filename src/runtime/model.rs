@@ -289,6 +289,7 @@ impl ModelActor {
     fn apply_routes(&mut self, outputs: Vec<StepOutput>) {
         let residents = std::mem::take(&mut self.resident);
         let routes = self.decide(&residents, &outputs);
+        let mut leaving: HashMap<ModelIdx, Vec<InFlight>> = HashMap::new();
         for ((mut r, out), route) in residents.into_iter().zip(outputs).zip(routes) {
             r.state.seen[self.idx] = r.state.tokens.len();
             let leave_to = match route {
@@ -312,8 +313,11 @@ impl ModelActor {
             }
             match leave_to {
                 None => self.resident.push(r),
-                Some(to) => self.hand_off(r, to),
+                Some(to) => leaving.entry(to).or_default().push(self.hand_off(r, to)),
             }
+        }
+        for (to, arrivals) in leaving {
+            self.peers[to].do_send(Admit(arrivals));
         }
     }
 
@@ -368,7 +372,9 @@ impl ModelActor {
         finish.is_some()
     }
 
-    fn hand_off(&mut self, mut r: InFlight, to: ModelIdx) {
+    /// Packs a leaving request for `to` and marks it pending here (or caches its prefix in
+    /// `standard` mode); the caller sends it with the step's other handoffs.
+    fn hand_off(&mut self, mut r: InFlight, to: ModelIdx) -> InFlight {
         let rid = r.state.rid;
         r.handoff = Some(r.params.policy.send(&r.state, to));
         r.stats.handoffs += 1;
@@ -381,7 +387,7 @@ impl ModelActor {
         } else {
             self.pending.insert(rid);
         }
-        self.peers[to].do_send(Admit(r));
+        r
     }
 }
 

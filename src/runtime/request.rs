@@ -95,7 +95,7 @@ impl Handler<Start> for RequestActor {
 
     fn handle(&mut self, msg: Start, _ctx: &mut Context<Self>) {
         let entry = msg.0.state.current;
-        self.batchers[entry].do_send(Admit(msg.0));
+        self.batchers[entry].do_send(Admit(vec![msg.0]));
     }
 }
 
