@@ -111,7 +111,7 @@ impl LlamaModel {
         for (layer_idx, layer) in self.weights.layers.iter().enumerate() {
             self.layer(layer_idx, layer, &mut x, &positions, &segments, &mut caches);
         }
-        for ((&(seq, t), cache), _) in batch.iter().zip(caches).zip(&segments) {
+        for (&(seq, t), cache) in batch.iter().zip(caches) {
             kv.put_back(seq, cache);
             kv.advance(seq, t.len());
         }

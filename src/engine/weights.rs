@@ -441,7 +441,7 @@ fn assemble(
         .dequantize(&Device::Cpu)?
         .flatten_all()?
         .to_vec1::<f32>()?;
-    let lm_head = match loader.optional_tensor("output.weight")? {
+    let lm_head = match loader.store.get("output.weight")? {
         Some(t) => loader.matrix("output.weight", t, &[hp.vocab, hp.hidden])?,
         None => loader.matrix("token_embd.weight", embedding_q, &[hp.vocab, hp.hidden])?,
     };
@@ -496,10 +496,6 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
-    fn optional_tensor(&mut self, name: &str) -> EngineResult<Option<QTensor>> {
-        self.store.get(name)
-    }
-
     fn required(&mut self, name: &str, shape: &[usize]) -> EngineResult<QTensor> {
         let t = self
             .store
@@ -548,23 +544,18 @@ fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> EngineResult
 
 /// Summary of a checkpoint for `models list`, read from headers only.
 pub fn describe(path: &Path) -> EngineResult<HashMap<&'static str, String>> {
-    let mut out = HashMap::new();
-    match CheckpointFormat::detect(path)? {
+    let (format, hp) = match CheckpointFormat::detect(path)? {
         CheckpointFormat::Gguf(path) => {
             let (content, _) = read_gguf(&path)?;
-            let hp = gguf_hyperparams(&path, &content)?;
-            out.insert("format", "gguf".to_string());
-            out.insert("architecture", format!("{:?}", hp.arch).to_lowercase());
-            out.insert("layers", hp.checkpoint_layers.to_string());
+            ("gguf", gguf_hyperparams(&path, &content)?)
         }
-        CheckpointFormat::HuggingFace(dir) => {
-            let (hp, _) = hf_hyperparams(&dir)?;
-            out.insert("format", "huggingface".to_string());
-            out.insert("architecture", format!("{:?}", hp.arch).to_lowercase());
-            out.insert("layers", hp.checkpoint_layers.to_string());
-        }
-    }
-    Ok(out)
+        CheckpointFormat::HuggingFace(dir) => ("huggingface", hf_hyperparams(&dir)?.0),
+    };
+    Ok(HashMap::from([
+        ("format", format.to_string()),
+        ("architecture", format!("{:?}", hp.arch).to_lowercase()),
+        ("layers", hp.checkpoint_layers.to_string()),
+    ]))
 }
 
 #[cfg(test)]

@@ -198,12 +198,17 @@ impl ModelActor {
         }
     }
 
-    fn report_idle(&self) {
+    /// Publishes this model's KV usage and pending count to the shared stats.
+    fn publish_usage(&self) {
         let stats = &self.stats.models[self.idx];
         stats
             .kv_tokens_used
             .store(self.executor.kv_usage().used_tokens, Ordering::Relaxed);
         stats.pending.store(self.pending.len(), Ordering::Relaxed);
+    }
+
+    fn report_idle(&self) {
+        self.publish_usage();
         self.batcher.do_send(ModelIdle {
             resident_ready: self.resident.len(),
         });
@@ -431,8 +436,6 @@ impl Handler<FreeRequest> for ModelActor {
     fn handle(&mut self, msg: FreeRequest, _ctx: &mut Context<Self>) {
         self.resident.retain(|r| r.state.rid != msg.rid);
         self.release_seq(msg.rid);
-        self.stats.models[self.idx]
-            .kv_tokens_used
-            .store(self.executor.kv_usage().used_tokens, Ordering::Relaxed);
+        self.publish_usage();
     }
 }
