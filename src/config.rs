@@ -2,7 +2,7 @@
 
 use crate::error::ConfigError;
 use serde::Deserialize;
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
 pub const DEFAULT_CONFIG_PATH: &str = "config/default.toml";
@@ -17,6 +17,63 @@ pub struct Config {
     pub policies: Vec<PolicyConfig>,
     #[serde(default)]
     pub tuning: Option<TuningConfig>,
+    #[serde(default)]
+    pub server: ServerConfig,
+}
+
+/// `tokenrouter serve`: where it listens and what it accepts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// HTTP worker threads (they only parse, validate and stream; the models have their own).
+    pub workers: usize,
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    /// Longest prompt accepted, in tokens (400 beyond).
+    pub max_prompt_tokens: usize,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens_limit: usize,
+    /// Bearer token of the admin routes; `TOKENROUTER_ADMIN_TOKEN` overrides it. Without
+    /// either, the admin routes are disabled.
+    pub admin_token: Option<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            workers: 2,
+            max_body_bytes: 1 << 20,
+            max_prompt_tokens: 4096,
+            max_tokens_limit: 4096,
+            admin_token: None,
+        }
+    }
+}
+
+/// A change to the policy registry at run time (`PUT /admin/policy`): a new default and/or
+/// per-policy fields. A patch of an unknown name defines a new policy (`kind` and `models`
+/// then required).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyUpdate {
+    #[serde(default)]
+    pub default: Option<String>,
+    #[serde(default)]
+    pub policies: BTreeMap<String, PolicyPatch>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyPatch {
+    pub kind: Option<String>,
+    pub models: Option<Vec<String>>,
+    pub weights: Option<Vec<f64>>,
+    pub threshold: Option<f32>,
+    pub router: Option<PathBuf>,
 }
 
 /// Inputs of the delayed-batching model for `tokenrouter tune` (per model, in config order).
@@ -254,6 +311,19 @@ impl Config {
                 )));
             }
         }
+        let server = &self.server;
+        for (field, value) in [
+            ("workers", server.workers),
+            ("max_body_bytes", server.max_body_bytes),
+            ("max_prompt_tokens", server.max_prompt_tokens),
+            ("max_tokens_limit", server.max_tokens_limit),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "server.{field}: must be at least 1"
+                )));
+            }
+        }
         if let Some(default) = &self.runtime.default_policy {
             if !names.contains(default.as_str()) {
                 return Err(ConfigError::Invalid(format!(
@@ -262,6 +332,74 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// This config with `update` applied, validated as a whole (the caller keeps the old one
+    /// on error).
+    pub fn with_policy_update(&self, update: &PolicyUpdate) -> Result<Config, ConfigError> {
+        let mut next = self.clone();
+        for (name, patch) in &update.policies {
+            let policy = match next.policies.iter_mut().find(|p| &p.name == name) {
+                Some(existing) => existing,
+                None => {
+                    let (Some(kind), Some(models)) = (&patch.kind, &patch.models) else {
+                        return Err(ConfigError::Invalid(format!(
+                            "policies.{name}: not a configured policy; a new one needs `kind` and `models`"
+                        )));
+                    };
+                    next.policies.push(PolicyConfig {
+                        name: name.clone(),
+                        kind: kind.clone(),
+                        models: models.clone(),
+                        weights: Vec::new(),
+                        threshold: None,
+                        router: None,
+                    });
+                    next.policies.last_mut().expect("just pushed")
+                }
+            };
+            if let Some(kind) = &patch.kind {
+                policy.kind = kind.clone();
+            }
+            if let Some(models) = &patch.models {
+                policy.models = models.clone();
+            }
+            if let Some(weights) = &patch.weights {
+                policy.weights = weights.clone();
+            }
+            if patch.threshold.is_some() {
+                policy.threshold = patch.threshold;
+            }
+            if patch.router.is_some() {
+                policy.router = patch.router.clone();
+            }
+        }
+        if let Some(default) = &update.default {
+            next.runtime.default_policy = Some(default.clone());
+        }
+        next.validate()?;
+        Ok(next)
+    }
+
+    /// This config with the policies and default policy of `reloaded` (SIGHUP). Models cannot
+    /// change without a restart: their weights are loaded once.
+    pub fn with_policies_of(&self, reloaded: &Config) -> Result<Config, ConfigError> {
+        let names = |c: &Config| -> Vec<(String, PathBuf)> {
+            c.models
+                .iter()
+                .map(|m| (m.name.clone(), m.path.clone()))
+                .collect()
+        };
+        if names(self) != names(reloaded) {
+            return Err(ConfigError::Invalid(
+                "the reloaded config changes `models`; restart the server to change models".into(),
+            ));
+        }
+        let mut next = self.clone();
+        next.policies = reloaded.policies.clone();
+        next.runtime.default_policy = reloaded.runtime.default_policy.clone();
+        next.validate()?;
+        Ok(next)
     }
 
     pub fn model_index(&self, name: &str) -> Option<usize> {

@@ -7,4 +7,6 @@ pub mod error;
 pub mod fetch;
 pub mod policy;
 pub mod runtime;
+pub mod server;
+pub mod telemetry;
 pub mod tuning;

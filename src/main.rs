@@ -1,4 +1,4 @@
-//! Command line: generate | bench | models (DESIGN §11).
+//! Command line: serve | generate | bench | tune | models (DESIGN §11).
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
@@ -25,6 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// Generate text for one prompt.
     Generate(GenerateArgs),
     /// Benchmarks.
@@ -35,6 +37,18 @@ enum Command {
     Models(ModelsCommand),
     /// Delayed-batching thresholds from the Markov model of routing.
     Tune(TuneArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Overrides `server.host`.
+    #[arg(long)]
+    host: Option<String>,
+    /// Overrides `server.port`; 0 picks a free port (the log line says which).
+    #[arg(long)]
+    port: Option<u16>,
 }
 
 #[derive(Args)]
@@ -191,6 +205,7 @@ enum ModelsCommand {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Serve(args) => run_serve(args),
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
@@ -231,6 +246,17 @@ fn pick_model<'a>(config: &'a Config, name: Option<&str>) -> anyhow::Result<&'a 
     }
 }
 
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = ready_config(&args.config)?;
+    if let Some(host) = args.host {
+        config.server.host = host;
+    }
+    if let Some(port) = args.port {
+        config.server.port = port;
+    }
+    actix_web::rt::System::new().block_on(tokenrouter::server::serve(config, args.config.config))
+}
+
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         anyhow::bail!("--temperature must be a finite number >= 0");
@@ -264,6 +290,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
                 seed: args.seed,
             },
             timeout: None,
+            ignore_eos: false,
         };
         let out = runtime.submit(request)?.collect().await?;
         let names = runtime.model_names();

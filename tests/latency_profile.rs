@@ -49,6 +49,7 @@ async fn measure(n: usize, b1: usize, window: Duration) -> f64 {
                     ..SamplingParams::greedy()
                 },
                 timeout: None,
+                ignore_eos: false,
             })
             .unwrap();
         let counter = tokens.clone();

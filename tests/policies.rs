@@ -225,6 +225,7 @@ async fn generate(rt: &Runtime, policy: &str) -> (Vec<u32>, Vec<usize>) {
             max_tokens: 24,
             sampling: SamplingParams::greedy(),
             timeout: None,
+            ignore_eos: false,
         })
         .unwrap()
         .collect()

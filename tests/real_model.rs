@@ -206,6 +206,7 @@ async fn run_policy(
                         ..SamplingParams::greedy()
                     },
                     timeout: None,
+                    ignore_eos: false,
                 };
                 rt.submit(request).unwrap()
             })

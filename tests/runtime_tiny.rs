@@ -67,6 +67,7 @@ fn request(prompt: &[u32], policy: &str, max_tokens: usize, seed: u64) -> Genera
             ..SamplingParams::greedy()
         },
         timeout: None,
+        ignore_eos: false,
     }
 }
 

@@ -118,6 +118,7 @@ async fn closed_loop(
                             ..SamplingParams::greedy()
                         },
                         timeout: None,
+                        ignore_eos: false,
                     };
                     let result = match runtime.submit(request) {
                         Ok(handle) => handle.collect().await,

@@ -8,6 +8,7 @@ use super::model::ModelActor;
 use super::stats::RuntimeStats;
 use crate::config::ExecutionMode;
 use crate::policy::ModelIdx;
+use crate::telemetry::BatcherMetrics;
 use actix::prelude::*;
 use dashmap::DashMap;
 use std::collections::VecDeque;
@@ -60,6 +61,7 @@ pub struct BatcherActor {
     timer: Option<SpawnHandle>,
     live: Arc<DashMap<u64, ()>>,
     stats: Arc<RuntimeStats>,
+    metrics: BatcherMetrics,
 }
 
 /// Connects the batcher to its model once both actors exist.
@@ -70,14 +72,19 @@ pub struct AttachModel(pub Addr<ModelActor>);
 impl BatcherActor {
     pub fn new(
         model_idx: ModelIdx,
+        model_name: &str,
         mode: ExecutionMode,
         threshold: usize,
         timeout: Duration,
         live: Arc<DashMap<u64, ()>>,
         stats: Arc<RuntimeStats>,
     ) -> Self {
+        let metrics =
+            BatcherMetrics::new(model_name, &ReleaseReason::ALL.map(ReleaseReason::as_str));
+        metrics.threshold(threshold);
         Self {
             model_idx,
+            metrics,
             mode,
             threshold,
             timeout,
@@ -132,6 +139,12 @@ impl BatcherActor {
                     ctx.cancel_future(timer);
                 }
                 self.stats.models[self.model_idx].record_release(reason);
+                let now = Instant::now();
+                self.metrics.released(
+                    reason as usize,
+                    self.waiting.iter().map(|w| (now - w.arrived).as_secs_f64()),
+                );
+                self.metrics.waiting(0);
                 self.model_idle = false;
                 self.resident_ready_since = None;
                 model.do_send(Release {
@@ -169,6 +182,7 @@ impl Handler<Admit> for BatcherActor {
 
     fn handle(&mut self, msg: Admit, ctx: &mut Context<Self>) {
         self.waiting.extend(msg.0);
+        self.metrics.waiting(self.waiting.len());
         self.try_release(ctx);
     }
 }
@@ -189,5 +203,6 @@ impl Handler<Withdraw> for BatcherActor {
 
     fn handle(&mut self, msg: Withdraw, _ctx: &mut Context<Self>) {
         self.waiting.retain(|w| w.state.rid != msg.rid);
+        self.metrics.waiting(self.waiting.len());
     }
 }

@@ -11,6 +11,7 @@ use super::stats::{RuntimeStats, StepInterval};
 use crate::config::ExecutionMode;
 use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput};
 use crate::policy::{ModelIdx, Route, StepView};
+use crate::telemetry::ModelMetrics;
 use actix::prelude::*;
 use dashmap::DashMap;
 use std::collections::{HashMap, HashSet};
@@ -46,6 +47,9 @@ pub struct ModelActor {
     global_step_lock: Option<Arc<Mutex<()>>>,
     fault_every_steps: u64,
     steps_run: u64,
+    metrics: ModelMetrics,
+    /// Every model's name, by index (handoff metric labels).
+    model_names: Arc<[String]>,
 }
 
 /// Everything a model actor is built from (kept apart so the supervisor can restart it).
@@ -58,13 +62,17 @@ pub struct ModelActorParts {
     pub stats: Arc<RuntimeStats>,
     pub global_step_lock: Option<Arc<Mutex<()>>>,
     pub fault_every_steps: u64,
+    pub model_names: Arc<[String]>,
 }
 
 impl ModelActor {
     pub fn new(parts: ModelActorParts) -> Self {
+        let name = parts.executor.name().to_string();
         Self {
             idx: parts.idx,
-            name: parts.executor.name().to_string(),
+            metrics: ModelMetrics::new(&name),
+            name,
+            model_names: parts.model_names,
             batcher: parts.peers[parts.idx].clone(),
             executor: parts.executor,
             mode: parts.mode,
@@ -205,6 +213,8 @@ impl ModelActor {
             .kv_tokens_used
             .store(self.executor.kv_usage().used_tokens, Ordering::Relaxed);
         stats.pending.store(self.pending.len(), Ordering::Relaxed);
+        self.metrics
+            .usage(self.executor.kv_usage().used_tokens, self.pending.len());
     }
 
     fn report_idle(&self) {
@@ -276,6 +286,7 @@ impl ModelActor {
                 self.report_idle();
             }
             Ok(Ok(outputs)) => {
+                self.metrics.step((end - start).as_secs_f64(), work.len());
                 self.stats.models[self.idx].record_step(
                     StepInterval {
                         start,
@@ -361,6 +372,7 @@ impl ModelActor {
         } else {
             r.state.tokens.push(token);
             r.stats.tokens_per_model[self.idx] += 1;
+            self.metrics.committed(r.params.policy.name(), 1);
             r.client.do_send(Committed {
                 tokens: vec![token],
                 model: self.idx,
@@ -383,6 +395,8 @@ impl ModelActor {
         let rid = r.state.rid;
         r.handoff = Some(r.params.policy.send(&r.state, to));
         r.stats.handoffs += 1;
+        self.metrics
+            .handoff(&self.model_names[to], r.params.policy.name());
         r.arrived = Instant::now();
         if self.mode == ExecutionMode::Standard {
             if let Some(seq) = self.seqs.remove(&rid) {
@@ -416,6 +430,7 @@ impl Supervised for ModelActor {
         self.stats.models[self.idx]
             .restarts
             .fetch_add(1, Ordering::Relaxed);
+        self.metrics.restarted();
     }
 }
 

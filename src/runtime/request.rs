@@ -9,10 +9,11 @@ use super::messages::{
 };
 use super::model::ModelActor;
 use crate::policy::ModelIdx;
+use crate::telemetry::{RequestMetrics, RequestStatus};
 use actix::prelude::*;
 use dashmap::DashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What a client receives, in order: tokens, then exactly one `Finished` or `Failed`.
@@ -37,11 +38,18 @@ pub struct RequestActor {
     batchers: Vec<Addr<BatcherActor>>,
     live: Arc<DashMap<u64, ()>>,
     deadline: Option<Duration>,
+    metrics: RequestMetrics,
+    submitted: Instant,
+    last_token: Option<Instant>,
+    /// How it ended; a request stopped by anything but finish, failure or deadline was
+    /// cancelled.
+    status: RequestStatus,
 }
 
 impl RequestActor {
     pub fn new(
         rid: u64,
+        policy: &str,
         events: UnboundedSender<RequestEvent>,
         models: Vec<Addr<ModelActor>>,
         batchers: Vec<Addr<BatcherActor>>,
@@ -55,10 +63,15 @@ impl RequestActor {
             batchers,
             live,
             deadline,
+            metrics: RequestMetrics::new(policy),
+            submitted: Instant::now(),
+            last_token: None,
+            status: RequestStatus::Cancelled,
         }
     }
 
-    fn fail(&mut self, message: String, ctx: &mut Context<Self>) {
+    fn fail(&mut self, status: RequestStatus, message: String, ctx: &mut Context<Self>) {
+        self.status = status;
         let _ = self.events.send(RequestEvent::Failed(message));
         ctx.stop();
     }
@@ -71,6 +84,7 @@ impl Actor for RequestActor {
         if let Some(deadline) = self.deadline {
             ctx.run_later(deadline, move |act, ctx| {
                 act.fail(
+                    RequestStatus::Deadline,
                     format!("deadline of {} ms exceeded", deadline.as_millis()),
                     ctx,
                 );
@@ -80,6 +94,8 @@ impl Actor for RequestActor {
 
     /// Whatever ended the request, every model frees its KV and every batcher forgets it.
     fn stopped(&mut self, _ctx: &mut Context<Self>) {
+        self.metrics
+            .ended(self.status, self.submitted.elapsed().as_secs_f64());
         self.live.remove(&self.rid);
         for model in &self.models {
             model.do_send(FreeRequest { rid: self.rid });
@@ -103,6 +119,19 @@ impl Handler<Committed> for RequestActor {
     type Result = ();
 
     fn handle(&mut self, msg: Committed, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        match self.last_token {
+            None => self
+                .metrics
+                .first_token((now - self.submitted).as_secs_f64()),
+            Some(last) => {
+                let gap = (now - last).as_secs_f64() / msg.tokens.len().max(1) as f64;
+                for _ in &msg.tokens {
+                    self.metrics.inter_token(gap);
+                }
+            }
+        }
+        self.last_token = Some(now);
         for id in msg.tokens {
             let event = RequestEvent::Token {
                 id,
@@ -126,6 +155,7 @@ impl Handler<Finished> for RequestActor {
             stats: msg.stats,
             prompt_tokens: msg.prompt_tokens,
         });
+        self.status = RequestStatus::Completed;
         ctx.stop();
     }
 }
@@ -134,7 +164,7 @@ impl Handler<Failed> for RequestActor {
     type Result = ();
 
     fn handle(&mut self, msg: Failed, ctx: &mut Context<Self>) {
-        self.fail(msg.message, ctx);
+        self.fail(RequestStatus::Failed, msg.message, ctx);
     }
 }
 

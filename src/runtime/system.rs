@@ -6,14 +6,16 @@ use super::messages::{Cancel, FinishReason, InFlight, RequestParams, RoutingStat
 use super::model::{ModelActor, ModelActorParts};
 use super::request::{RequestActor, RequestEvent};
 use super::stats::RuntimeStats;
-use crate::config::{Config, ExecutionMode};
+use crate::config::{Config, ExecutionMode, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{Executor, SamplingParams, StepExecutor};
 use crate::error::{ConfigError, EngineError};
 use crate::policy::registry::PolicyRegistry;
 use crate::policy::{RequestInfo, RoutingState};
+use crate::telemetry;
 use actix::prelude::*;
+use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +48,8 @@ pub struct GenerateRequest {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub timeout: Option<Duration>,
+    /// Generate exactly `max_tokens` (benchmarks): end-of-sequence tokens do not stop it.
+    pub ignore_eos: bool,
 }
 
 /// The result of a finished generation.
@@ -61,7 +65,8 @@ pub struct Completion {
     pub total: Duration,
 }
 
-/// A submitted request: its event stream, and a way to cancel it.
+/// A submitted request: its event stream, and a way to cancel it. Dropping the handle
+/// cancels the request (a client that went away frees its KV everywhere).
 pub struct RequestHandle {
     pub rid: u64,
     pub policy: String,
@@ -93,7 +98,7 @@ impl RequestHandle {
                     let total = self.submitted.elapsed();
                     return Ok(Completion {
                         rid: self.rid,
-                        policy: self.policy,
+                        policy: std::mem::take(&mut self.policy),
                         token_ids,
                         finish_reason: reason,
                         routing: stats,
@@ -109,6 +114,13 @@ impl RequestHandle {
     }
 }
 
+impl Drop for RequestHandle {
+    /// A no-op for a request that already ended (its actor is gone).
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
 struct ModelSlot {
     name: String,
     model: Addr<ModelActor>,
@@ -119,7 +131,11 @@ struct ModelSlot {
 pub struct Runtime {
     slots: Vec<ModelSlot>,
     batch_arbiter: Arbiter,
-    policies: PolicyRegistry,
+    /// Swapped whole at run time; a request keeps the policy it started with.
+    policies: ArcSwap<PolicyRegistry>,
+    /// The config the registry was built from; updates apply to it and are validated whole.
+    config: Mutex<Config>,
+    hidden_sizes: Vec<usize>,
     /// `None` when every model is a latency-profile simulation.
     tokenizer: Option<Arc<ModelTokenizer>>,
     eos: Arc<BTreeSet<u32>>,
@@ -177,6 +193,7 @@ impl Runtime {
             }
         }
         let stats = Arc::new(RuntimeStats::new(config.models.len()));
+        let model_names: Arc<[String]> = config.models.iter().map(|m| m.name.clone()).collect();
         let live = Arc::new(DashMap::new());
         let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
         let batch_arbiter = Arbiter::new();
@@ -186,9 +203,9 @@ impl Runtime {
             .enumerate()
             .map(|(i, m)| {
                 let (live, stats) = (live.clone(), stats.clone());
-                let threshold = m.batch_threshold;
+                let (threshold, name) = (m.batch_threshold, m.name.clone());
                 BatcherActor::start_in_arbiter(&batch_arbiter.handle(), move |_| {
-                    BatcherActor::new(i, mode, threshold, timeout, live, stats)
+                    BatcherActor::new(i, &name, mode, threshold, timeout, live, stats)
                 })
             })
             .collect();
@@ -206,6 +223,7 @@ impl Runtime {
                 stats: stats.clone(),
                 global_step_lock: global_step_lock.clone(),
                 fault_every_steps: model_config.fault_every_steps,
+                model_names: model_names.clone(),
             };
             let model =
                 Supervisor::start_in_arbiter(&arbiter.handle(), move |_| ModelActor::new(parts));
@@ -220,7 +238,9 @@ impl Runtime {
         Ok(Self {
             slots,
             batch_arbiter,
-            policies,
+            policies: ArcSwap::from_pointee(policies),
+            config: Mutex::new(config.clone()),
+            hidden_sizes,
             tokenizer,
             eos,
             live,
@@ -250,8 +270,36 @@ impl Runtime {
         self.slots.iter().map(|s| s.name.as_str()).collect()
     }
 
-    pub fn policies(&self) -> &PolicyRegistry {
-        &self.policies
+    /// The current registry (a snapshot: later swaps do not change it).
+    pub fn policies(&self) -> Arc<PolicyRegistry> {
+        self.policies.load_full()
+    }
+
+    /// Applies a run-time policy change: validated and built whole, then swapped in
+    /// atomically; on error nothing changes. Returns the new registry.
+    pub fn update_policies(
+        &self,
+        update: &PolicyUpdate,
+    ) -> Result<Arc<PolicyRegistry>, RuntimeError> {
+        self.swap_policies(|config| config.with_policy_update(update))
+    }
+
+    /// Takes the policies and default policy of a re-read config file (SIGHUP).
+    pub fn reload_policies(&self, reloaded: &Config) -> Result<Arc<PolicyRegistry>, RuntimeError> {
+        self.swap_policies(|config| config.with_policies_of(reloaded))
+    }
+
+    fn swap_policies(
+        &self,
+        next_config: impl FnOnce(&Config) -> Result<Config, ConfigError>,
+    ) -> Result<Arc<PolicyRegistry>, RuntimeError> {
+        let mut config = self.config.lock().unwrap_or_else(|e| e.into_inner());
+        let next = next_config(&config)?;
+        let registry = Arc::new(PolicyRegistry::from_config(&next, &self.hidden_sizes)?);
+        self.policies.store(registry.clone());
+        *config = next;
+        telemetry::policy_swapped();
+        Ok(registry)
     }
 
     /// Requests that have not ended yet.
@@ -270,12 +318,12 @@ impl Runtime {
 
     /// Starts a generation; its tokens arrive on the handle's event stream.
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestHandle, RuntimeError> {
+        let registry = self.policies.load();
         let policy = match &request.policy {
-            Some(name) => self
-                .policies
+            Some(name) => registry
                 .get(name)
                 .ok_or_else(|| RuntimeError::UnknownPolicy(name.clone()))?,
-            None => self.policies.default_policy(),
+            None => registry.default_policy(),
         };
         if request.prompt.is_empty() {
             return Err(RuntimeError::InvalidRequest(
@@ -301,6 +349,7 @@ impl Runtime {
         let batchers = self.slots.iter().map(|s| s.batcher.clone()).collect();
         let actor = RequestActor::new(
             rid,
+            policy.name(),
             tx,
             models,
             batchers,
@@ -317,7 +366,11 @@ impl Runtime {
             params: RequestParams {
                 max_tokens: request.max_tokens,
                 sampling: request.sampling,
-                eos: self.eos.clone(),
+                eos: if request.ignore_eos {
+                    Arc::default()
+                } else {
+                    self.eos.clone()
+                },
                 policy,
             },
             state,
@@ -336,7 +389,7 @@ impl Runtime {
     }
 
     /// Stops every actor thread.
-    pub fn shutdown(self) {
+    pub fn shutdown(&self) {
         for slot in &self.slots {
             slot.arbiter.stop();
         }

@@ -1,0 +1,361 @@
+//! `/v1/completions` and `/v1/chat/completions`: one generation path for both, answered
+//! whole or as server-sent events. Dropping the response (client gone) drops the request
+//! handle, which cancels the request and frees its KV.
+
+use super::error::ApiError;
+use super::openai::{
+    ChatCompletionRequest, CompletionRequest, Generation, GenerationOptions, Prompt,
+};
+use super::text::TextStream;
+use super::{read_json, AppState};
+use crate::engine::tokenizer::ModelTokenizer;
+use crate::runtime::{FinishReason, GenerateRequest, RequestEvent, RequestHandle, RoutingStats};
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Which endpoint answers: the object names and the shape of a choice differ.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Flavor {
+    Text,
+    Chat,
+}
+
+pub async fn completions(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: Value = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let request: CompletionRequest = super::parse(&body)?;
+    let options: GenerationOptions = super::parse(&body)?;
+    let generation = request.generation(&options, &state.config)?;
+    let tokenizer = state.tokenizer()?;
+    let prompt = match &request.prompt {
+        Prompt::Text(text) => tokenizer.encode(text)?,
+        Prompt::Texts(texts) if texts.len() == 1 => tokenizer.encode(&texts[0])?,
+        Prompt::Texts(_) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "exactly one prompt per request is supported",
+            ))
+        }
+        Prompt::Tokens(ids) => {
+            if let Some(bad) = ids
+                .iter()
+                .find(|&&id| id as usize >= tokenizer.vocab_size())
+            {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary"),
+                ));
+            }
+            ids.clone()
+        }
+    };
+    run(
+        &state,
+        Flavor::Text,
+        request.model,
+        prompt,
+        "prompt",
+        generation,
+    )
+    .await
+}
+
+pub async fn chat_completions(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: Value = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let request: ChatCompletionRequest = super::parse(&body)?;
+    let options: GenerationOptions = super::parse(&body)?;
+    let generation = request.generation(&options, &state.config)?;
+    let messages = request.chat_messages()?;
+    let text = state.chat_template()?.render(&messages, true)?;
+    let prompt = state.tokenizer()?.encode(&text)?;
+    run(
+        &state,
+        Flavor::Chat,
+        request.model,
+        prompt,
+        "messages",
+        generation,
+    )
+    .await
+}
+
+async fn run(
+    state: &AppState,
+    flavor: Flavor,
+    model: Option<String>,
+    prompt: Vec<u32>,
+    prompt_field: &'static str,
+    generation: Generation,
+) -> Result<HttpResponse, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(prompt_field, "the prompt is empty"));
+    }
+    let limit = state.config.max_prompt_tokens;
+    if prompt.len() > limit {
+        return Err(ApiError::ContextLength {
+            prompt: prompt.len(),
+            limit,
+            param: prompt_field,
+        });
+    }
+    let policy = model.filter(|m| m != "default");
+    let prompt_tokens = prompt.len();
+    let handle = state.runtime.submit(GenerateRequest {
+        prompt,
+        policy,
+        max_tokens: generation.max_tokens,
+        sampling: generation.sampling,
+        timeout: None,
+        ignore_eos: generation.ignore_eos,
+    })?;
+    let tokenizer = state.tokenizer()?.clone();
+    let reply = Reply {
+        flavor,
+        id: match flavor {
+            Flavor::Text => format!("cmpl-{}", handle.rid),
+            Flavor::Chat => format!("chatcmpl-{}", handle.rid),
+        },
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        model_names: state
+            .runtime
+            .model_names()
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        prompt_tokens,
+        include_usage: generation.include_usage,
+    };
+    let progress = Progress::new(handle, tokenizer, generation.stop, reply.model_names.len());
+    if generation.stream {
+        Ok(HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header(("Cache-Control", "no-cache"))
+            .streaming(sse(progress, reply)))
+    } else {
+        respond_whole(progress, reply).await
+    }
+}
+
+/// Token ids to text with the served model's tokenizer (special tokens skipped).
+type Decoder = Box<dyn Fn(&[u32]) -> String + Send>;
+
+/// What one request produced so far, as text.
+struct Progress {
+    handle: RequestHandle,
+    text: TextStream<Decoder>,
+    tokens_per_model: Vec<usize>,
+    /// Changes of writing model between consecutive tokens: the handoff count when a stop
+    /// sequence ends the request before the runtime reports its own.
+    model_changes: usize,
+    last_model: Option<usize>,
+}
+
+/// One step of a generation, as the client sees it.
+enum Outcome {
+    Delta(String),
+    /// The end: remaining text, why, and the routing statistics.
+    Done(String, FinishReason, RoutingStats),
+    Failed(ApiError),
+}
+
+impl Progress {
+    fn new(
+        handle: RequestHandle,
+        tokenizer: Arc<ModelTokenizer>,
+        stop: Vec<String>,
+        models: usize,
+    ) -> Self {
+        let decode: Decoder = Box::new(move |ids| tokenizer.decode(ids, true).unwrap_or_default());
+        Self {
+            handle,
+            text: TextStream::new(decode, stop),
+            tokens_per_model: vec![0; models],
+            model_changes: 0,
+            last_model: None,
+        }
+    }
+
+    async fn next(&mut self) -> Outcome {
+        match self.handle.events.recv().await {
+            Some(RequestEvent::Token { id, model }) => {
+                if self.last_model.is_some_and(|m| m != model) {
+                    self.model_changes += 1;
+                }
+                self.last_model = Some(model);
+                if let Some(n) = self.tokens_per_model.get_mut(model) {
+                    *n += 1;
+                }
+                let delta = self.text.push(id);
+                if self.text.stopped() {
+                    self.handle.cancel();
+                    let stats = RoutingStats {
+                        tokens_per_model: self.tokens_per_model.clone(),
+                        handoffs: self.model_changes,
+                    };
+                    return Outcome::Done(delta, FinishReason::Stop, stats);
+                }
+                Outcome::Delta(delta)
+            }
+            Some(RequestEvent::Finished { reason, stats, .. }) => {
+                Outcome::Done(self.text.finish(), reason, stats)
+            }
+            Some(RequestEvent::Failed(message)) => Outcome::Failed(ApiError::Internal(message)),
+            None => Outcome::Failed(ApiError::Unavailable(
+                "the runtime stopped before the request finished".into(),
+            )),
+        }
+    }
+
+    fn completion_tokens(&self) -> usize {
+        self.text.tokens()
+    }
+}
+
+/// The parts of every response object that do not change during a generation.
+struct Reply {
+    flavor: Flavor,
+    id: String,
+    created: u64,
+    model_names: Vec<String>,
+    prompt_tokens: usize,
+    include_usage: bool,
+}
+
+impl Reply {
+    fn usage(&self, completion_tokens: usize) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        })
+    }
+
+    fn routing(&self, policy: &str, stats: &RoutingStats) -> Value {
+        let per_model: serde_json::Map<String, Value> = self
+            .model_names
+            .iter()
+            .zip(&stats.tokens_per_model)
+            .map(|(name, &n)| (name.clone(), json!(n)))
+            .collect();
+        json!({"policy": policy, "tokens_per_model": per_model, "handoffs": stats.handoffs})
+    }
+
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.flavor, stream) {
+            (Flavor::Text, _) => "text_completion",
+            (Flavor::Chat, false) => "chat.completion",
+            (Flavor::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// A choice carrying `text`: a message or delta for chat, plain text otherwise.
+    fn choice(&self, text: &str, finish: Option<FinishReason>, stream: bool) -> Value {
+        let mut choice = match (self.flavor, stream) {
+            (Flavor::Text, _) => json!({"text": text, "logprobs": null}),
+            (Flavor::Chat, false) => json!({"message": {"role": "assistant", "content": text}}),
+            (Flavor::Chat, true) => json!({"delta": {"content": text}}),
+        };
+        choice["index"] = json!(0);
+        choice["finish_reason"] = json!(finish);
+        choice
+    }
+
+    fn envelope(&self, policy: &str, stream: bool, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(stream),
+            "created": self.created,
+            "model": policy,
+            "choices": choices,
+        })
+    }
+}
+
+async fn respond_whole(mut progress: Progress, reply: Reply) -> Result<HttpResponse, ApiError> {
+    let mut text = String::new();
+    loop {
+        match progress.next().await {
+            Outcome::Delta(delta) => text.push_str(&delta),
+            Outcome::Done(rest, reason, stats) => {
+                text.push_str(&rest);
+                let policy = progress.handle.policy.clone();
+                let choice = reply.choice(&text, Some(reason), false);
+                let mut body = reply.envelope(&policy, false, vec![choice]);
+                body["usage"] = reply.usage(progress.completion_tokens());
+                body["routing"] = reply.routing(&policy, &stats);
+                return Ok(HttpResponse::Ok().json(body));
+            }
+            Outcome::Failed(e) => return Err(e),
+        }
+    }
+}
+
+fn event(value: &Value) -> String {
+    format!("data: {value}\n\n")
+}
+
+/// The SSE body: a role chunk (chat), one chunk per text delta, a final chunk with the
+/// finish reason, usage and routing, an optional usage-only chunk, then `[DONE]`.
+fn sse(
+    progress: Progress,
+    reply: Reply,
+) -> impl futures_util::Stream<Item = Result<Bytes, actix_web::Error>> {
+    let first = (reply.flavor == Flavor::Chat).then(|| {
+        let mut choice = reply.choice("", None, true);
+        choice["delta"] = json!({"role": "assistant", "content": ""});
+        event(&reply.envelope(&progress.handle.policy, true, vec![choice]))
+    });
+    let state = (Some(progress), reply, first);
+    futures_util::stream::unfold(state, |(progress, reply, first)| async move {
+        if let Some(first) = first {
+            return Some((Ok(Bytes::from(first)), (progress, reply, None)));
+        }
+        let mut progress = progress?;
+        let policy = progress.handle.policy.clone();
+        loop {
+            let out = match progress.next().await {
+                Outcome::Delta(delta) if delta.is_empty() => continue,
+                Outcome::Delta(delta) => {
+                    let chunk =
+                        reply.envelope(&policy, true, vec![reply.choice(&delta, None, true)]);
+                    return Some((
+                        Ok(Bytes::from(event(&chunk))),
+                        (Some(progress), reply, None),
+                    ));
+                }
+                Outcome::Done(rest, reason, stats) => {
+                    let usage = reply.usage(progress.completion_tokens());
+                    let mut last = reply.envelope(
+                        &policy,
+                        true,
+                        vec![reply.choice(&rest, Some(reason), true)],
+                    );
+                    last["usage"] = usage.clone();
+                    last["routing"] = reply.routing(&policy, &stats);
+                    let mut out = event(&last);
+                    if reply.include_usage {
+                        let mut usage_only = reply.envelope(&policy, true, Vec::new());
+                        usage_only["usage"] = usage;
+                        out.push_str(&event(&usage_only));
+                    }
+                    out
+                }
+                Outcome::Failed(e) => event(&e.body()),
+            };
+            let out = out + "data: [DONE]\n\n";
+            return Some((Ok(Bytes::from(out)), (None, reply, None)));
+        }
+    })
+}

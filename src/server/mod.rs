@@ -1,0 +1,188 @@
+//! `tokenrouter serve`: the OpenAI-compatible HTTP front of the runtime (DESIGN §8), with
+//! admin routes for hot-swapping policies and a Prometheus endpoint.
+
+mod admin;
+pub mod error;
+mod generate;
+pub mod openai;
+mod status;
+pub mod text;
+
+use crate::config::{Config, ServerConfig};
+use crate::engine::chat::ChatTemplate;
+use crate::engine::tokenizer::ModelTokenizer;
+use crate::runtime::Runtime;
+use crate::telemetry;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use error::ApiError;
+use futures_util::StreamExt;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::de::DeserializeOwned;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How often histograms are compacted and idle metrics expired.
+const METRICS_UPKEEP: Duration = Duration::from_secs(5);
+
+/// What every handler shares.
+pub struct AppState {
+    pub runtime: Arc<Runtime>,
+    pub config: ServerConfig,
+    admin_token: Option<String>,
+    /// The chat template, or why there is none (then only chat requests fail).
+    chat_template: Result<ChatTemplate, String>,
+    metrics: PrometheusHandle,
+}
+
+impl AppState {
+    pub fn new(runtime: Arc<Runtime>, config: &Config, metrics: PrometheusHandle) -> Self {
+        let chat_template = runtime
+            .tokenizer()
+            .map_err(|e| e.to_string())
+            .and_then(|t| ChatTemplate::for_model(t).map_err(|e| e.to_string()));
+        let admin_token = std::env::var("TOKENROUTER_ADMIN_TOKEN")
+            .ok()
+            .or_else(|| config.server.admin_token.clone())
+            .filter(|t| !t.is_empty());
+        Self {
+            runtime,
+            config: config.server.clone(),
+            admin_token,
+            chat_template,
+            metrics,
+        }
+    }
+
+    fn tokenizer(&self) -> Result<&Arc<ModelTokenizer>, ApiError> {
+        Ok(self.runtime.tokenizer()?)
+    }
+
+    fn chat_template(&self) -> Result<&ChatTemplate, ApiError> {
+        self.chat_template
+            .as_ref()
+            .map_err(|why| ApiError::invalid("messages", format!("chat is unavailable: {why}")))
+    }
+}
+
+/// Every route; unknown paths and methods get OpenAI-shaped 404/405 errors.
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    let resource = |path: &str| web::resource(path).default_service(web::to(wrong_method));
+    cfg.service(resource("/v1/completions").route(web::post().to(generate::completions)))
+        .service(resource("/v1/chat/completions").route(web::post().to(generate::chat_completions)))
+        .service(resource("/v1/models").route(web::get().to(status::models)))
+        .service(resource("/health").route(web::get().to(status::health)))
+        .service(resource("/metrics").route(web::get().to(status::metrics)))
+        .service(
+            resource("/admin/policy")
+                .route(web::get().to(admin::get_policy))
+                .route(web::put().to(admin::put_policy)),
+        )
+        .service(resource("/admin/stats").route(web::get().to(admin::stats)))
+        .default_service(web::to(no_route));
+}
+
+async fn no_route(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::NoRoute {
+        method: req.method().to_string(),
+        path: req.path().to_string(),
+    })
+}
+
+async fn wrong_method(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::MethodNotAllowed {
+        method: req.method().to_string(),
+        path: req.path().to_string(),
+    })
+}
+
+/// Reads a JSON body of at most `limit` bytes (413 beyond; 400 for anything not JSON).
+async fn read_json(
+    req: &HttpRequest,
+    mut payload: web::Payload,
+    limit: usize,
+) -> Result<serde_json::Value, ApiError> {
+    let declared = req
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::PayloadTooLarge { limit });
+    }
+    let mut body = web::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk =
+            chunk.map_err(|e| ApiError::invalid("body", format!("cannot read the body: {e}")))?;
+        if body.len() + chunk.len() > limit {
+            return Err(ApiError::PayloadTooLarge { limit });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest {
+        message: format!("the body is not valid JSON: {e}"),
+        param: None,
+    })
+}
+
+/// Deserializes a request body; a type error names the field it is in.
+fn parse<T: DeserializeOwned>(body: &serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(body).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            ApiError::InvalidRequest {
+                message: e.inner().to_string(),
+                param: None,
+            }
+        } else {
+            ApiError::invalid(&path, format!("{path}: {}", e.inner()))
+        }
+    })
+}
+
+/// Loads the models, binds, and serves until SIGINT/SIGTERM. SIGHUP re-reads the policies
+/// from `config_path`.
+pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
+    let metrics = telemetry::install();
+    let runtime = Arc::new(Runtime::start(&config, None)?);
+    let state = web::Data::new(AppState::new(runtime.clone(), &config, metrics.clone()));
+    let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
+        .workers(config.server.workers)
+        .bind((config.server.host.as_str(), config.server.port))?;
+    for addr in server.addrs() {
+        eprintln!("tokenrouter listening on http://{addr}");
+    }
+    let server = server.run();
+    actix_web::rt::spawn(async move {
+        let mut interval = actix_web::rt::time::interval(METRICS_UPKEEP);
+        loop {
+            interval.tick().await;
+            metrics.run_upkeep();
+        }
+    });
+    actix_web::rt::spawn(reload_on_hangup(runtime.clone(), config_path));
+    server.await?;
+    runtime.shutdown();
+    Ok(())
+}
+
+async fn reload_on_hangup(runtime: Arc<Runtime>, config_path: PathBuf) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        eprintln!("warning: cannot listen for SIGHUP; policy reload by signal is off");
+        return;
+    };
+    while hangups.recv().await.is_some() {
+        let result = Config::load(&config_path)
+            .map_err(crate::runtime::RuntimeError::from)
+            .and_then(|reloaded| runtime.reload_policies(&reloaded));
+        match result {
+            Ok(registry) => eprintln!(
+                "SIGHUP: policies reloaded from {} (default `{}`)",
+                config_path.display(),
+                registry.default_policy().name()
+            ),
+            Err(e) => eprintln!("SIGHUP: reload refused, old policies kept: {e}"),
+        }
+    }
+}
