@@ -35,6 +35,14 @@ pub struct ServerConfig {
     pub max_prompt_tokens: usize,
     /// Largest `max_tokens` a request may ask for.
     pub max_tokens_limit: usize,
+    /// Generations running at once; more wait in a queue of `max_queued_requests`, and
+    /// beyond that get 429.
+    pub max_concurrent_requests: usize,
+    pub max_queued_requests: usize,
+    /// Default per-request deadline in seconds (a request's `timeout` may shorten it).
+    pub request_timeout_s: f64,
+    /// After SIGTERM/SIGINT: how long running requests may take to finish.
+    pub shutdown_grace_s: u64,
     /// Bearer token of the admin routes; `TOKENROUTER_ADMIN_TOKEN` overrides it. Without
     /// either, the admin routes are disabled.
     pub admin_token: Option<String>,
@@ -49,6 +57,10 @@ impl Default for ServerConfig {
             max_body_bytes: 1 << 20,
             max_prompt_tokens: 4096,
             max_tokens_limit: 4096,
+            max_concurrent_requests: 64,
+            max_queued_requests: 256,
+            request_timeout_s: 600.0,
+            shutdown_grace_s: 30,
             admin_token: None,
         }
     }
@@ -114,6 +126,13 @@ pub struct RuntimeConfig {
     /// Longest time an arrival waits in a batcher for its threshold (`tokenrouter` mode).
     #[serde(default = "default_batch_timeout_ms")]
     pub batch_timeout_ms: u64,
+    /// `tokenrouter` mode: how often thresholds are re-derived from the Markov model with
+    /// online estimates of routing and step latency; 0 keeps each model's `batch_threshold`.
+    #[serde(default = "default_retune_interval_ms")]
+    pub retune_interval_ms: u64,
+    /// Largest live-request count the online model is solved for.
+    #[serde(default = "default_retune_max_requests")]
+    pub retune_max_requests: usize,
 }
 
 impl Default for RuntimeConfig {
@@ -122,12 +141,22 @@ impl Default for RuntimeConfig {
             mode: ExecutionMode::default(),
             default_policy: None,
             batch_timeout_ms: default_batch_timeout_ms(),
+            retune_interval_ms: default_retune_interval_ms(),
+            retune_max_requests: default_retune_max_requests(),
         }
     }
 }
 
 fn default_batch_timeout_ms() -> u64 {
     20
+}
+
+fn default_retune_interval_ms() -> u64 {
+    1000
+}
+
+fn default_retune_max_requests() -> usize {
+    8
 }
 
 /// The four execution modes of DESIGN §6 (same code, one switch).
@@ -317,12 +346,18 @@ impl Config {
             ("max_body_bytes", server.max_body_bytes),
             ("max_prompt_tokens", server.max_prompt_tokens),
             ("max_tokens_limit", server.max_tokens_limit),
+            ("max_concurrent_requests", server.max_concurrent_requests),
         ] {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!(
                     "server.{field}: must be at least 1"
                 )));
             }
+        }
+        if !(server.request_timeout_s > 0.0 && server.request_timeout_s.is_finite()) {
+            return Err(ConfigError::Invalid(
+                "server.request_timeout_s: must be a positive number of seconds".into(),
+            ));
         }
         if let Some(default) = &self.runtime.default_policy {
             if !names.contains(default.as_str()) {

@@ -127,17 +127,19 @@ struct BenchRoutingArgs {
     /// Model whose greedy output alone is the quality reference; the first model if absent.
     #[arg(long)]
     reference: Option<String>,
+    /// Execution modes, and `llm-only` (the reference model serving alone).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "lockstep,standard,async,tokenrouter"
+        default_value = "lockstep,standard,async,tokenrouter,llm-only"
     )]
-    mode: Vec<ExecutionMode>,
+    mode: Vec<bench::routing::BenchMode>,
     #[arg(long, value_delimiter = ',', default_value = "8")]
     concurrency: Vec<usize>,
-    /// Only `short` (a short question, a short answer) so far.
+    /// `short` (a question, answer until end-of-sequence), `long` (exactly --max-tokens),
+    /// `agent` (a long multi-turn context, then a question).
     #[arg(long, default_value = "short")]
-    workload: String,
+    workload: bench::workloads::Workload,
     /// Requests per (policy, mode, concurrency) cell.
     #[arg(long, default_value_t = 16)]
     requests: usize,
@@ -148,6 +150,9 @@ struct BenchRoutingArgs {
     rounds: usize,
     #[arg(long)]
     json: bool,
+    /// Write SVG plots into this directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -393,12 +398,6 @@ fn run_bench_pair(args: BenchPairArgs) -> anyhow::Result<()> {
 }
 
 fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
-    if args.workload != "short" {
-        anyhow::bail!(
-            "--workload `{}` is not implemented yet (available: short)",
-            args.workload
-        );
-    }
     if args.concurrency.contains(&0)
         || args.requests == 0
         || args.max_tokens == 0
@@ -436,6 +435,7 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         requests: args.requests,
         max_tokens: args.max_tokens,
         rounds: args.rounds,
+        workload: args.workload,
     };
     let rows = actix::System::new()
         .block_on(async move { bench::routing::run(&config, &settings).await })?;
@@ -443,6 +443,13 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&rows)?);
     } else {
         print!("{}", bench::routing::markdown(&rows));
+    }
+    if let Some(dir) = &args.out {
+        let written = bench::plots::write_all(&rows, dir)
+            .map_err(|e| anyhow!("cannot write plots to {}: {e}", dir.display()))?;
+        for path in written {
+            eprintln!("wrote {}", path.display());
+        }
     }
     Ok(())
 }

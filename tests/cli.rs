@@ -65,11 +65,73 @@ fn bad_input_gets_a_message_naming_the_problem() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config /nonexistent.toml"));
 
-    let out = tokenrouter(&["bench", "routing", "--workload", "agent"]);
+    let out = tokenrouter(&["bench", "routing", "--workload", "marathon"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--workload `agent`"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown workload `marathon`"));
 
     let out = tokenrouter(&["generate", "--prompt", "hi", "--top-p", "1.5"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--top-p"));
+}
+
+#[test]
+fn bench_routing_on_the_simulated_pair_reports_every_mode_with_predictions_and_plots() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = tokenrouter(&[
+        "bench",
+        "routing",
+        "--config",
+        "config/paper-sim.toml",
+        "--policy",
+        "r2r",
+        "--concurrency",
+        "2",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "6",
+        "--workload",
+        "agent",
+        "--mode",
+        "lockstep,async,tokenrouter,llm-only",
+        "--json",
+        "--out",
+        out_dir.path().to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["lockstep", "async", "tokenrouter", "llm-only"]);
+    for row in rows {
+        assert_eq!(row["completed"], 4, "{row}");
+        assert_eq!(
+            row["output_tokens"], 24,
+            "simulated models never stop early: {row}"
+        );
+        assert_eq!(row["workload"], "agent");
+        let predicted = &row["predicted_tokens_per_s"];
+        assert_eq!(predicted.is_null(), row["mode"] == "lockstep", "{row}");
+        assert_eq!(row["per_model"].as_array().unwrap().len(), 2);
+    }
+    let llm_only = &rows[3];
+    assert_eq!(
+        llm_only["token_share"][0],
+        serde_json::json!(["large", 1.0])
+    );
+    assert_eq!(
+        llm_only["per_model"][1]["steps"], 0,
+        "the small model idles"
+    );
+    for plot in ["throughput-r2r.svg", "predicted-vs-measured.svg"] {
+        let svg = std::fs::read_to_string(out_dir.path().join(plot)).unwrap();
+        assert!(
+            svg.starts_with("<svg") && svg.contains("tokens/s"),
+            "{plot}"
+        );
+    }
 }

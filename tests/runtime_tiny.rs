@@ -356,3 +356,55 @@ async fn bad_requests_are_refused_with_clear_errors() {
     wait_for_zero_kv(&rt).await;
     rt.shutdown();
 }
+
+#[actix_rt::test]
+async fn kv_pressure_preempts_pending_requests_and_fails_only_what_cannot_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Arch::Llama);
+    let prompts = prompts(16);
+    let roomy = Runtime::start(&pair_config(dir.path(), spec, ""), None).unwrap();
+    let reference: Vec<Vec<u32>> = run_all(&roomy, &prompts, "me", 1, 12)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().token_ids)
+        .collect();
+    roomy.shutdown();
+
+    // 4 blocks of 16 tokens per model; a request needs up to 2 blocks on each model.
+    let tight = pair_config(dir.path(), spec, "kv_tokens = 64");
+    let rt = Runtime::start(&tight, Some(ExecutionMode::Tokenrouter)).unwrap();
+    // Two at a time always fit.
+    let pairs = run_all(&rt, &prompts, "me", 2, 12).await;
+    for (result, want) in pairs.iter().zip(&reference) {
+        assert_eq!(&result.as_ref().unwrap().token_ids, want);
+    }
+    // Eight at a time do not: pending KV gives way first (re-prefilling a preempted request
+    // changes none of its tokens); what still cannot fit fails as overloaded (retryable);
+    // nothing leaks.
+    let crowd = run_all(&rt, &prompts, "me", 8, 12).await;
+    let mut overloaded = 0;
+    for (result, want) in crowd.iter().zip(&reference) {
+        match result {
+            Ok(c) => assert_eq!(&c.token_ids, want),
+            Err(RuntimeError::Overloaded(message)) => {
+                assert!(message.contains("KV cache full"), "{message}");
+                overloaded += 1;
+            }
+            Err(e) => panic!("unexpected failure: {e}"),
+        }
+    }
+    assert!(
+        overloaded > 0 && overloaded < crowd.len(),
+        "{overloaded} of {}",
+        crowd.len()
+    );
+    let preempted: u64 = rt
+        .stats()
+        .models
+        .iter()
+        .map(|m| ModelStats::get(&m.preemptions))
+        .sum();
+    assert!(preempted > 0, "pending KV was taken for resident requests");
+    wait_for_zero_kv(&rt).await;
+    rt.shutdown();
+}

@@ -1,9 +1,10 @@
 //! `bench engine`: median decode-step time per batch size on one model, plus prefill rate.
 //! Each batch row mixes sequences of different context lengths (a ragged batch).
 
-use super::{fit_affine, median};
+use super::median;
 use crate::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
+use crate::tuning::online::fit_affine;
 use serde::Serialize;
 use std::time::Instant;
 

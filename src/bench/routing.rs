@@ -1,17 +1,63 @@
 //! `bench routing`: closed-loop clients (N workers, each sends its next request when the
-//! previous one ends) against the runtime in each execution mode, modes interleaved round by
-//! round in one run so their ratios share the machine's conditions.
+//! previous one ends) against the runtime in each execution mode and against the reference
+//! model alone, modes interleaved round by round in one run so their ratios share the
+//! machine's conditions. Each cell also reports what the Markov model predicts from the
+//! routing and step timings measured in that cell.
 
 use super::median;
-use super::prompts::PROMPTS;
+use super::workloads::{self, Workload};
 use crate::config::{Config, ExecutionMode, PolicyConfig};
-use crate::engine::chat::{ChatMessage, ChatTemplate};
 use crate::engine::SamplingParams;
+use crate::runtime::stats::ModelStats;
 use crate::runtime::{GenerateRequest, Runtime, RuntimeError};
+use crate::tuning::online::fit_latency;
+use crate::tuning::{predict, DtmcModel};
 use serde::Serialize;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::time::Instant;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Time grid of the per-cell predictions (as the online tuner).
+const PREDICTION_DELTA_MS: f64 = 0.5;
+
+/// What a cell runs: the runtime in one execution mode, or the reference model alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchMode {
+    Runtime(ExecutionMode),
+    /// The reference model serves every token (`async` runtime, its `single` policy).
+    LlmOnly,
+}
+
+impl BenchMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BenchMode::Runtime(mode) => mode.as_str(),
+            BenchMode::LlmOnly => "llm-only",
+        }
+    }
+
+    fn execution_mode(self) -> ExecutionMode {
+        match self {
+            BenchMode::Runtime(mode) => mode,
+            BenchMode::LlmOnly => ExecutionMode::Async,
+        }
+    }
+}
+
+impl std::str::FromStr for BenchMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "llm-only" => Ok(BenchMode::LlmOnly),
+            other => other
+                .parse()
+                .map(BenchMode::Runtime)
+                .map_err(|e| format!("{e}, or llm-only")),
+        }
+    }
+}
 
 pub struct RoutingBenchSettings {
     pub policies: Vec<String>,
@@ -19,16 +65,27 @@ pub struct RoutingBenchSettings {
     pub sweep: Option<(String, Vec<f32>)>,
     /// The model whose greedy output, served alone, is the quality reference.
     pub reference: String,
-    pub modes: Vec<ExecutionMode>,
+    pub modes: Vec<BenchMode>,
     pub concurrency: Vec<usize>,
     pub requests: usize,
     pub max_tokens: usize,
     pub rounds: usize,
+    pub workload: Workload,
+}
+
+/// One model's share of a cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCell {
+    pub model: String,
+    pub steps: u64,
+    pub mean_batch: f64,
+    pub admission_delay_ms_mean: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RoutingBenchRow {
     pub policy: String,
+    pub workload: Workload,
     pub mode: &'static str,
     pub concurrency: usize,
     pub round: usize,
@@ -37,28 +94,148 @@ pub struct RoutingBenchRow {
     pub output_tokens: usize,
     pub seconds: f64,
     pub tokens_per_s: f64,
+    /// The Markov model's throughput for this cell's measured routing and step latencies
+    /// (decode only: it ignores prefill); none for `lockstep`, which it does not model.
+    pub predicted_tokens_per_s: Option<f64>,
     pub handoffs_per_100_tokens: f64,
     /// Share of output tokens each model wrote, by model name.
     pub token_share: Vec<(String, f64)>,
-    /// Position-wise agreement with the reference model serving alone, greedy.
-    pub agreement_with_reference: f64,
+    /// Position-wise agreement with the reference model serving alone, greedy; none for
+    /// simulated models (their tokens mean nothing).
+    pub agreement_with_reference: Option<f64>,
     pub ttft_ms_median: f64,
     pub latency_ms_median: f64,
+    pub per_model: Vec<ModelCell>,
 }
 
-/// Short-reasoning workload: one sentence of the shipped texts as a chat question.
-fn short_prompts(runtime: &Runtime) -> Result<Vec<Vec<u32>>, RuntimeError> {
-    let tokenizer = runtime.tokenizer()?;
-    let template = ChatTemplate::for_model(tokenizer)?;
-    PROMPTS
+/// The runtime's cumulative counters at one instant.
+struct Snapshot {
+    at: Instant,
+    steps: Vec<u64>,
+    rows: Vec<u64>,
+    admission_us: Vec<u64>,
+    admissions: Vec<u64>,
+    routed: Vec<Vec<u64>>,
+    committed: Vec<Vec<u64>>,
+}
+
+impl Snapshot {
+    fn take(runtime: &Runtime) -> Self {
+        let models = &runtime.stats().models;
+        let each = |f: fn(&ModelStats) -> u64| models.iter().map(f).collect();
+        let matrix = |f: fn(&ModelStats) -> &Vec<std::sync::atomic::AtomicU64>| {
+            models
+                .iter()
+                .map(|m| f(m).iter().map(|c| c.load(Ordering::Relaxed)).collect())
+                .collect()
+        };
+        Self {
+            at: Instant::now(),
+            steps: each(|m| ModelStats::get(&m.steps)),
+            rows: each(|m| ModelStats::get(&m.rows_stepped)),
+            admission_us: each(|m| ModelStats::get(&m.admission_delay_us_total)),
+            admissions: each(|m| ModelStats::get(&m.admissions)),
+            routed: matrix(|m| &m.routed_to),
+            committed: matrix(|m| &m.committed_to),
+        }
+    }
+}
+
+/// Per-model batch sizes and admission delays between two snapshots.
+fn model_cells(names: &[String], before: &Snapshot, after: &Snapshot) -> Vec<ModelCell> {
+    names
         .iter()
-        .flat_map(|p| p.split(". "))
-        .map(|sentence| {
-            let ask = format!("Explain briefly: {sentence}.");
-            let text = template.render(&[ChatMessage::user(ask)], true)?;
-            Ok(tokenizer.encode(&text)?)
+        .enumerate()
+        .map(|(i, name)| {
+            let steps = after.steps[i] - before.steps[i];
+            let admissions = (after.admissions[i] - before.admissions[i]).max(1);
+            ModelCell {
+                model: name.clone(),
+                steps,
+                mean_batch: (after.rows[i] - before.rows[i]) as f64 / steps.max(1) as f64,
+                admission_delay_ms_mean: (after.admission_us[i] - before.admission_us[i]) as f64
+                    / admissions as f64
+                    / 1e3,
+            }
         })
         .collect()
+}
+
+/// The Markov model of the cell: routing and commits from the cell's route decisions, L(b)
+/// fitted to its steps, over the models it visited.
+fn predicted(
+    runtime: &Runtime,
+    mode: BenchMode,
+    n: usize,
+    timeout: Duration,
+    before: &Snapshot,
+    after: &Snapshot,
+) -> Option<f64> {
+    if mode == BenchMode::Runtime(ExecutionMode::Lockstep) {
+        return None;
+    }
+    let m = before.routed.len();
+    let delta = |a: &[Vec<u64>], b: &[Vec<u64>], i: usize, j: usize| (a[i][j] - b[i][j]) as f64;
+    let visited: Vec<usize> = (0..m)
+        .filter(|&i| (0..m).any(|j| after.routed[i][j] > before.routed[i][j]))
+        .collect();
+    if visited.is_empty() {
+        return None;
+    }
+    let mut routing = Vec::new();
+    let mut commits = Vec::new();
+    for &i in &visited {
+        let total: f64 = visited
+            .iter()
+            .map(|&j| delta(&after.routed, &before.routed, i, j))
+            .sum();
+        routing.push(
+            visited
+                .iter()
+                .map(|&j| delta(&after.routed, &before.routed, i, j) / total)
+                .collect(),
+        );
+        commits.push(
+            visited
+                .iter()
+                .map(|&j| {
+                    let steps = delta(&after.routed, &before.routed, i, j);
+                    let tokens = delta(&after.committed, &before.committed, i, j);
+                    if steps > 0.0 {
+                        tokens / steps
+                    } else {
+                        0.0
+                    }
+                })
+                .collect(),
+        );
+    }
+    let latency = visited
+        .iter()
+        .map(|&i| {
+            let samples: Vec<(usize, f64)> = runtime.stats().models[i]
+                .step_log()
+                .iter()
+                .filter(|s| s.start >= before.at)
+                .map(|s| (s.batch, (s.end - s.start).as_secs_f64() * 1e3))
+                .collect();
+            fit_latency(&samples, None)
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let delayed = mode == BenchMode::Runtime(ExecutionMode::Tokenrouter);
+    let all_thresholds = runtime.thresholds();
+    let thresholds: Vec<usize> = visited
+        .iter()
+        .map(|&i| if delayed { all_thresholds[i] } else { 1 })
+        .collect();
+    let model = DtmcModel {
+        routing,
+        commits,
+        latency,
+        delta_ms: PREDICTION_DELTA_MS,
+        timeout_ms: vec![delayed.then_some(timeout.as_secs_f64() * 1e3); visited.len()],
+    };
+    predict(&model, n, &thresholds).ok().map(|p| p.throughput)
 }
 
 #[derive(Default)]
@@ -90,6 +267,7 @@ async fn closed_loop(
     concurrency: usize,
     settings: &RoutingBenchSettings,
 ) -> Tally {
+    let ignore_eos = settings.workload.ignores_eos();
     let next = Rc::new(Cell::new(0usize));
     let tally = Rc::new(RefCell::new(Tally::default()));
     let workers: Vec<_> = (0..concurrency)
@@ -118,7 +296,7 @@ async fn closed_loop(
                             ..SamplingParams::greedy()
                         },
                         timeout: None,
-                        ignore_eos: false,
+                        ignore_eos,
                     };
                     let result = match runtime.submit(request) {
                         Ok(handle) => handle.collect().await,
@@ -191,9 +369,11 @@ pub async fn run(
     settings: &RoutingBenchSettings,
 ) -> Result<Vec<RoutingBenchRow>, RuntimeError> {
     let (config, policies) = with_sweep(config, settings)?;
+    let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
     let mut runtimes = Vec::new();
     for &mode in &settings.modes {
-        runtimes.push((mode, Rc::new(Runtime::start(&config, Some(mode))?)));
+        let runtime = Runtime::start(&config, Some(mode.execution_mode()))?;
+        runtimes.push((mode, Rc::new(runtime)));
     }
     let first = runtimes[0].1.clone();
     let registry = first.policies();
@@ -201,35 +381,44 @@ pub async fn run(
         return Err(RuntimeError::UnknownPolicy(unknown.clone()));
     }
     let names: Vec<String> = first.model_names().iter().map(|n| n.to_string()).collect();
-    let prompts = Rc::new(short_prompts(&first)?);
+    let prompts = Rc::new(workloads::prompts(&first, settings.workload)?);
     if registry.get(&settings.reference).is_none() {
         return Err(RuntimeError::UnknownPolicy(settings.reference.clone()));
     }
-    let mut reference = closed_loop(
-        first.clone(),
-        prompts.clone(),
-        &settings.reference,
-        1,
-        settings,
-    )
-    .await
-    .outputs;
+    let mut reference = if first.tokenizer().is_ok() {
+        closed_loop(
+            first.clone(),
+            prompts.clone(),
+            &settings.reference,
+            1,
+            settings,
+        )
+        .await
+        .outputs
+    } else {
+        Vec::new()
+    };
     reference.sort();
     let mut rows = Vec::new();
     for round in 0..settings.rounds {
         for policy in &policies {
             for &concurrency in &settings.concurrency {
-                for (mode, runtime) in &runtimes {
-                    let start = Instant::now();
+                for &(mode, ref runtime) in &runtimes {
+                    let served_by = match mode {
+                        BenchMode::LlmOnly => &settings.reference,
+                        BenchMode::Runtime(_) => policy,
+                    };
+                    let before = Snapshot::take(runtime);
                     let mut t = closed_loop(
                         runtime.clone(),
                         prompts.clone(),
-                        policy,
+                        served_by,
                         concurrency,
                         settings,
                     )
                     .await;
-                    let seconds = start.elapsed().as_secs_f64();
+                    let after = Snapshot::take(runtime);
+                    let seconds = (after.at - before.at).as_secs_f64();
                     let med = |v: &mut Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
                     let agreements: Vec<f64> = t
                         .outputs
@@ -243,6 +432,7 @@ pub async fn run(
                         .collect();
                     rows.push(RoutingBenchRow {
                         policy: policy.clone(),
+                        workload: settings.workload,
                         mode: mode.as_str(),
                         concurrency,
                         round,
@@ -251,16 +441,25 @@ pub async fn run(
                         output_tokens: t.tokens,
                         seconds,
                         tokens_per_s: t.tokens as f64 / seconds,
+                        predicted_tokens_per_s: predicted(
+                            runtime,
+                            mode,
+                            concurrency,
+                            timeout,
+                            &before,
+                            &after,
+                        ),
                         handoffs_per_100_tokens: 100.0 * t.handoffs as f64 / t.tokens.max(1) as f64,
                         token_share: names
                             .iter()
                             .zip(t.tokens_per_model.iter().chain(std::iter::repeat(&0)))
                             .map(|(n, &c)| (n.clone(), c as f64 / t.tokens.max(1) as f64))
                             .collect(),
-                        agreement_with_reference: agreements.iter().sum::<f64>()
-                            / agreements.len().max(1) as f64,
+                        agreement_with_reference: (!agreements.is_empty())
+                            .then(|| agreements.iter().sum::<f64>() / agreements.len() as f64),
                         ttft_ms_median: med(&mut t.ttft_ms),
                         latency_ms_median: med(&mut t.latency_ms),
+                        per_model: model_cells(&names, &before, &after),
                     });
                 }
             }
@@ -277,7 +476,7 @@ pub async fn run(
 
 pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "| policy | mode | concurrency | round | done | failed | tokens/s | token share | handoffs/100 tok | agreement with reference | TTFT ms (median) | latency ms (median) |\n|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|\n",
+        "| policy | workload | mode | N | round | done | failed | tokens/s | predicted tok/s | token share | handoffs/100 tok | mean batch | admission ms | agreement | TTFT ms | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|\n",
     );
     for r in rows {
         let share: Vec<String> = r
@@ -285,20 +484,75 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
             .iter()
             .map(|(name, s)| format!("{name} {:.0}%", s * 100.0))
             .collect();
+        let per_model = |f: fn(&ModelCell) -> f64, digits: usize| {
+            r.per_model
+                .iter()
+                .map(|m| format!("{:.digits$}", f(m)))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {:.1} | {:.1}% | {:.0} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} | {} | {:.0} | {:.0} |\n",
             r.policy,
+            serde_json::to_value(r.workload).map_or(String::new(), |v| v.as_str().unwrap_or("").to_string()),
             r.mode,
             r.concurrency,
             r.round,
             r.completed,
             r.failed,
             r.tokens_per_s,
+            r.predicted_tokens_per_s
+                .map_or("–".to_string(), |p| format!("{p:.1}")),
             share.join(", "),
             r.handoffs_per_100_tokens,
-            r.agreement_with_reference * 100.0,
+            per_model(|m| m.mean_batch, 2),
+            per_model(|m| m.admission_delay_ms_mean, 1),
+            r.agreement_with_reference
+                .map_or("–".to_string(), |a| format!("{:.1}%", a * 100.0)),
             r.ttft_ms_median,
             r.latency_ms_median
+        );
+    }
+    if let Some(first) = rows.first() {
+        let models: Vec<&str> = first.per_model.iter().map(|m| m.model.as_str()).collect();
+        out += &format!("\nPer-model columns: {}.\n", models.join(" / "));
+    }
+    out += &ratios(rows);
+    out
+}
+
+/// Each cell's throughput relative to the same (policy, N, round) in `lockstep` (or the
+/// first mode run): the ablation, measured side by side.
+pub fn ratios(rows: &[RoutingBenchRow]) -> String {
+    let mut out = String::new();
+    let mut groups: Vec<(&str, usize, usize)> = rows
+        .iter()
+        .map(|r| (r.policy.as_str(), r.concurrency, r.round))
+        .collect();
+    groups.dedup();
+    for (policy, n, round) in groups {
+        let cells: Vec<&RoutingBenchRow> = rows
+            .iter()
+            .filter(|r| r.policy == policy && r.concurrency == n && r.round == round)
+            .collect();
+        let base = cells
+            .iter()
+            .find(|r| r.mode == "lockstep")
+            .unwrap_or(&cells[0]);
+        let parts: Vec<String> = cells
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} {:.2}×",
+                    r.mode,
+                    r.tokens_per_s / base.tokens_per_s.max(1e-9)
+                )
+            })
+            .collect();
+        out += &format!(
+            "\n{policy}, N = {n}, round {round}: tokens/s relative to {}: {}\n",
+            base.mode,
+            parts.join(", ")
         );
     }
     out

@@ -72,6 +72,16 @@ impl KvStore {
         self.seqs.contains_key(&seq)
     }
 
+    /// Tokens of free capacity (whole blocks).
+    pub fn free_tokens(&self) -> usize {
+        (self.capacity_blocks - self.used_blocks) * BLOCK_TOKENS
+    }
+
+    /// Capacity `reserve` would take to append `new_tokens` to `seq` (whole blocks).
+    pub fn tokens_needed(&self, seq: SeqId, new_tokens: usize) -> usize {
+        self.blocks_needed(seq, new_tokens) * BLOCK_TOKENS
+    }
+
     fn blocks_needed(&self, seq: SeqId, new_tokens: usize) -> usize {
         let (len, have) = self.seqs.get(&seq).map_or((0, 0), |s| (s.len, s.blocks));
         (len + new_tokens)

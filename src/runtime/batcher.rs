@@ -3,7 +3,7 @@
 //! is idle and either enough requests are ready (threshold B), the oldest has waited W, or no
 //! other live request could still arrive. Outside `tokenrouter` mode B is 1.
 
-use super::messages::{Admit, InFlight, ModelIdle, Release, Withdraw};
+use super::messages::{Admit, InFlight, ModelIdle, Release, SetThreshold, Withdraw};
 use super::model::ModelActor;
 use super::stats::RuntimeStats;
 use crate::config::ExecutionMode;
@@ -12,6 +12,7 @@ use crate::telemetry::BatcherMetrics;
 use actix::prelude::*;
 use dashmap::DashMap;
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -140,6 +141,10 @@ impl BatcherActor {
                 }
                 self.stats.models[self.model_idx].record_release(reason);
                 let now = Instant::now();
+                let stats = &self.stats.models[self.model_idx];
+                for w in &self.waiting {
+                    stats.record_admission_delay(now - w.arrived);
+                }
                 self.metrics.released(
                     reason as usize,
                     self.waiting.iter().map(|w| (now - w.arrived).as_secs_f64()),
@@ -194,6 +199,19 @@ impl Handler<ModelIdle> for BatcherActor {
         self.model_idle = true;
         self.resident_ready = msg.resident_ready;
         self.resident_ready_since = (msg.resident_ready > 0).then(Instant::now);
+        self.try_release(ctx);
+    }
+}
+
+impl Handler<SetThreshold> for BatcherActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetThreshold, ctx: &mut Context<Self>) {
+        self.threshold = msg.0.max(1);
+        self.metrics.threshold(self.threshold);
+        self.stats.models[self.model_idx]
+            .threshold
+            .store(self.threshold, Ordering::Relaxed);
         self.try_release(ctx);
     }
 }

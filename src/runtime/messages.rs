@@ -65,6 +65,11 @@ pub struct Release {
     pub reason: ReleaseReason,
 }
 
+/// Tuner → batcher: the delayed-batching threshold B to use from now on.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetThreshold(pub usize);
+
 /// Model → its batcher: a step finished (or the actor started); `resident_ready` requests
 /// are waiting to step again.
 #[derive(Message)]
@@ -95,6 +100,18 @@ pub struct Finished {
 #[rtype(result = "()")]
 pub struct Failed {
     pub message: String,
+    pub kind: FailureKind,
+}
+
+/// Why a generation failed: the HTTP status and whether a retry can help follow from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// An engine error or a crashed model.
+    Fault,
+    /// Out of capacity (KV); the same request may succeed later.
+    Capacity,
+    /// The request's deadline passed.
+    Deadline,
 }
 
 /// Request → every model: drop this request's KV and residency (finish, cancel, failure).

@@ -9,7 +9,8 @@ pub mod model;
 pub mod request;
 pub mod stats;
 pub mod system;
+pub mod tuner;
 
-pub use messages::{FinishReason, RoutingStats};
+pub use messages::{FailureKind, FinishReason, RoutingStats};
 pub use request::RequestEvent;
 pub use system::{Completion, GenerateRequest, RequestHandle, Runtime, RuntimeError};

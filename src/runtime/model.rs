@@ -5,7 +5,8 @@
 
 use super::batcher::BatcherActor;
 use super::messages::{
-    Admit, Committed, Failed, FinishReason, Finished, FreeRequest, InFlight, ModelIdle, Release,
+    Admit, Committed, Failed, FailureKind, FinishReason, Finished, FreeRequest, InFlight,
+    ModelIdle, Release,
 };
 use super::stats::{RuntimeStats, StepInterval};
 use crate::config::ExecutionMode;
@@ -197,10 +198,57 @@ impl ModelActor {
         }
     }
 
+    /// KV this step's appends need beyond what is free.
+    fn kv_shortfall(&self) -> usize {
+        let kv = self.executor.kv();
+        let needed: usize = self
+            .resident
+            .iter()
+            .map(|r| kv.tokens_needed(self.seqs[&r.state.rid], r.state.unseen(self.idx).len()))
+            .sum();
+        needed.saturating_sub(kv.free_tokens())
+    }
+
+    /// Makes this step fit the KV budget. Cached prefixes and pending requests give up their
+    /// KV first (a pending request re-prefills from its committed tokens when it returns:
+    /// preempted, then resumed); only if the resident batch alone does not fit do the newest
+    /// residents fail, cleanly and retryably, so the others keep going.
+    fn make_room(&mut self) {
+        if self.kv_shortfall() == 0 {
+            return;
+        }
+        for cached in std::mem::take(&mut self.prefix_cache) {
+            self.executor.free(cached.seq);
+        }
+        let pending: Vec<u64> = self.pending.iter().copied().collect();
+        for rid in pending {
+            if self.kv_shortfall() == 0 {
+                return;
+            }
+            self.release_seq(rid);
+            self.stats.models[self.idx]
+                .preemptions
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        while self.kv_shortfall() > 0 {
+            let Some(r) = self.resident.pop() else { return };
+            let capacity = self.executor.kv_usage().capacity_tokens;
+            r.client.do_send(Failed {
+                message: format!(
+                    "model `{}`: KV cache full ({capacity} tokens); retry later",
+                    self.name
+                ),
+                kind: FailureKind::Capacity,
+            });
+            self.release_seq(r.state.rid);
+        }
+    }
+
     fn fail_resident(&mut self, message: &str) {
         for r in std::mem::take(&mut self.resident) {
             r.client.do_send(Failed {
                 message: message.to_string(),
+                kind: FailureKind::Fault,
             });
             self.release_seq(r.state.rid);
         }
@@ -235,6 +283,7 @@ impl ModelActor {
         for rid in dead {
             self.release_seq(rid);
         }
+        self.make_room();
         if self.resident.is_empty() {
             self.report_idle();
             return;
@@ -318,15 +367,20 @@ impl ModelActor {
                         "policy `{}` routed to invalid model {to}",
                         r.params.policy.name()
                     );
-                    r.client.do_send(Failed { message });
+                    r.client.do_send(Failed {
+                        message,
+                        kind: FailureKind::Fault,
+                    });
                     self.release_seq(r.state.rid);
                     continue;
                 }
             }
-            if !matches!(route, Route::RejectAndSwitch(_)) && self.commit(&mut r, out.candidate) {
+            let commits = !matches!(route, Route::RejectAndSwitch(_));
+            if commits && self.commit(&mut r, out.candidate) {
                 self.release_seq(r.state.rid);
                 continue;
             }
+            self.stats.models[self.idx].record_route(leave_to.unwrap_or(self.idx), commits as u64);
             match leave_to {
                 None => self.resident.push(r),
                 Some(to) => leaving.entry(to).or_default().push(self.hand_off(r, to)),

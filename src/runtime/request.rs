@@ -4,8 +4,8 @@
 
 use super::batcher::BatcherActor;
 use super::messages::{
-    Admit, Cancel, Committed, Failed, FinishReason, Finished, FreeRequest, RoutingStats, Start,
-    Withdraw,
+    Admit, Cancel, Committed, Failed, FailureKind, FinishReason, Finished, FreeRequest,
+    RoutingStats, Start, Withdraw,
 };
 use super::model::ModelActor;
 use crate::policy::ModelIdx;
@@ -28,7 +28,10 @@ pub enum RequestEvent {
         stats: RoutingStats,
         prompt_tokens: usize,
     },
-    Failed(String),
+    Failed {
+        message: String,
+        kind: FailureKind,
+    },
 }
 
 pub struct RequestActor {
@@ -70,9 +73,12 @@ impl RequestActor {
         }
     }
 
-    fn fail(&mut self, status: RequestStatus, message: String, ctx: &mut Context<Self>) {
-        self.status = status;
-        let _ = self.events.send(RequestEvent::Failed(message));
+    fn fail(&mut self, kind: FailureKind, message: String, ctx: &mut Context<Self>) {
+        self.status = match kind {
+            FailureKind::Deadline => RequestStatus::Deadline,
+            FailureKind::Fault | FailureKind::Capacity => RequestStatus::Failed,
+        };
+        let _ = self.events.send(RequestEvent::Failed { message, kind });
         ctx.stop();
     }
 }
@@ -84,7 +90,7 @@ impl Actor for RequestActor {
         if let Some(deadline) = self.deadline {
             ctx.run_later(deadline, move |act, ctx| {
                 act.fail(
-                    RequestStatus::Deadline,
+                    FailureKind::Deadline,
                     format!("deadline of {} ms exceeded", deadline.as_millis()),
                     ctx,
                 );
@@ -164,7 +170,7 @@ impl Handler<Failed> for RequestActor {
     type Result = ();
 
     fn handle(&mut self, msg: Failed, ctx: &mut Context<Self>) {
-        self.fail(RequestStatus::Failed, msg.message, ctx);
+        self.fail(msg.kind, msg.message, ctx);
     }
 }
 

@@ -2,10 +2,13 @@
 //! that the CLI, the server and the bench call. Must be used inside a running actix System.
 
 use super::batcher::{AttachModel, BatcherActor};
-use super::messages::{Cancel, FinishReason, InFlight, RequestParams, RoutingStats, Start};
+use super::messages::{
+    Cancel, FailureKind, FinishReason, InFlight, RequestParams, RoutingStats, Start,
+};
 use super::model::{ModelActor, ModelActorParts};
 use super::request::{RequestActor, RequestEvent};
 use super::stats::RuntimeStats;
+use super::tuner::{TunerActor, TunerSettings};
 use crate::config::{Config, ExecutionMode, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
@@ -14,6 +17,7 @@ use crate::error::{ConfigError, EngineError};
 use crate::policy::registry::PolicyRegistry;
 use crate::policy::{RequestInfo, RoutingState};
 use crate::telemetry;
+use crate::tuning::AffineLatency;
 use actix::prelude::*;
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -31,12 +35,27 @@ pub enum RuntimeError {
     InvalidRequest(String),
     #[error("generation failed: {0}")]
     Failed(String),
+    /// Out of capacity (KV); the same request may succeed later.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
     #[error("the runtime stopped before the request finished")]
     Disconnected,
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+}
+
+impl RuntimeError {
+    pub fn failed(kind: FailureKind, message: String) -> Self {
+        match kind {
+            FailureKind::Fault => RuntimeError::Failed(message),
+            FailureKind::Capacity => RuntimeError::Overloaded(message),
+            FailureKind::Deadline => RuntimeError::DeadlineExceeded(message),
+        }
+    }
 }
 
 /// One generation as submitted to the runtime (token ids in, token ids out).
@@ -107,7 +126,9 @@ impl RequestHandle {
                         total,
                     });
                 }
-                RequestEvent::Failed(message) => return Err(RuntimeError::Failed(message)),
+                RequestEvent::Failed { message, kind } => {
+                    return Err(RuntimeError::failed(kind, message))
+                }
             }
         }
         Err(RuntimeError::Disconnected)
@@ -131,6 +152,8 @@ struct ModelSlot {
 pub struct Runtime {
     slots: Vec<ModelSlot>,
     batch_arbiter: Arbiter,
+    /// The online tuner's thread (`tokenrouter` mode with re-tuning on).
+    tuner_arbiter: Option<Arbiter>,
     /// Swapped whole at run time; a request keeps the policy it started with.
     policies: ArcSwap<PolicyRegistry>,
     /// The config the registry was built from; updates apply to it and are validated whole.
@@ -192,7 +215,9 @@ impl Runtime {
                 eprintln!("policy `{}` ({}): {}", info.name, info.kind, info.rule);
             }
         }
-        let stats = Arc::new(RuntimeStats::new(config.models.len()));
+        let initial_thresholds: Vec<usize> =
+            config.models.iter().map(|m| m.batch_threshold).collect();
+        let stats = Arc::new(RuntimeStats::new(&initial_thresholds));
         let model_names: Arc<[String]> = config.models.iter().map(|m| m.name.clone()).collect();
         let live = Arc::new(DashMap::new());
         let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
@@ -209,6 +234,28 @@ impl Runtime {
                 })
             })
             .collect();
+        let tuner_arbiter = (mode == ExecutionMode::Tokenrouter
+            && config.runtime.retune_interval_ms > 0)
+            .then(|| {
+                let arbiter = Arbiter::new();
+                let settings = TunerSettings {
+                    interval: Duration::from_millis(config.runtime.retune_interval_ms),
+                    max_requests: config.runtime.retune_max_requests.max(1),
+                    timeout_ms: config.runtime.batch_timeout_ms as f64,
+                    latency_prior: (0..config.models.len())
+                        .map(|i| {
+                            let t = config.tuning.as_ref()?;
+                            let [a_ms, c_ms] = *t.latency_ms.get(i)?;
+                            Some(AffineLatency { a_ms, c_ms })
+                        })
+                        .collect(),
+                };
+                let (stats, live, batchers) = (stats.clone(), live.clone(), batchers.clone());
+                TunerActor::start_in_arbiter(&arbiter.handle(), move |_| {
+                    TunerActor::new(settings, stats, live, batchers)
+                });
+                arbiter
+            });
         let global_step_lock = (mode == ExecutionMode::Lockstep).then(|| Arc::new(Mutex::new(())));
         let mut slots = Vec::new();
         for (idx, (executor, model_config)) in executors.into_iter().zip(&config.models).enumerate()
@@ -238,6 +285,7 @@ impl Runtime {
         Ok(Self {
             slots,
             batch_arbiter,
+            tuner_arbiter,
             policies: ArcSwap::from_pointee(policies),
             config: Mutex::new(config.clone()),
             hidden_sizes,
@@ -300,6 +348,15 @@ impl Runtime {
         *config = next;
         telemetry::policy_swapped();
         Ok(registry)
+    }
+
+    /// Each model's delayed-batching threshold in force.
+    pub fn thresholds(&self) -> Vec<usize> {
+        self.stats
+            .models
+            .iter()
+            .map(|m| m.threshold.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// Requests that have not ended yet.
@@ -394,5 +451,8 @@ impl Runtime {
             slot.arbiter.stop();
         }
         self.batch_arbiter.stop();
+        if let Some(tuner) = &self.tuner_arbiter {
+            tuner.stop();
+        }
     }
 }

@@ -7,6 +7,9 @@ use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
+/// What 429 and 503 answers tell clients to wait before retrying.
+const RETRY_AFTER_SECONDS: u64 = 1;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     /// A field is missing, of the wrong type or out of range; `param` names it.
@@ -35,6 +38,11 @@ pub enum ApiError {
     AdminDisabled,
     #[error("{0}")]
     Unavailable(String),
+    /// Out of capacity now; `Retry-After` says when to try again.
+    #[error("{0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -51,6 +59,8 @@ impl ApiError {
         match self {
             ApiError::Unauthorized | ApiError::AdminDisabled => "authentication_error",
             ApiError::Unavailable(_) | ApiError::Internal(_) => "server_error",
+            ApiError::Overloaded(_) => "overloaded_error",
+            ApiError::DeadlineExceeded(_) => "timeout_error",
             _ => "invalid_request_error",
         }
     }
@@ -99,12 +109,18 @@ impl ResponseError for ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::AdminDisabled => StatusCode::FORBIDDEN,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status_code()).json(self.body())
+        let mut response = HttpResponse::build(self.status_code());
+        if matches!(self, ApiError::Overloaded(_) | ApiError::Unavailable(_)) {
+            response.insert_header(("Retry-After", RETRY_AFTER_SECONDS.to_string()));
+        }
+        response.json(self.body())
     }
 }
 
@@ -125,6 +141,8 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::Engine(EngineError::KvExhausted { .. }) => {
                 ApiError::Unavailable(e.to_string())
             }
+            RuntimeError::Overloaded(message) => ApiError::Overloaded(message),
+            RuntimeError::DeadlineExceeded(message) => ApiError::DeadlineExceeded(message),
             RuntimeError::Failed(_) | RuntimeError::Engine(_) => ApiError::Internal(e.to_string()),
         }
     }

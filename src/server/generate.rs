@@ -2,6 +2,7 @@
 //! whole or as server-sent events. Dropping the response (client gone) drops the request
 //! handle, which cancels the request and frees its KV.
 
+use super::admission::Slot;
 use super::error::ApiError;
 use super::openai::{
     ChatCompletionRequest, CompletionRequest, Generation, GenerationOptions, Prompt,
@@ -9,7 +10,9 @@ use super::openai::{
 use super::text::TextStream;
 use super::{read_json, AppState};
 use crate::engine::tokenizer::ModelTokenizer;
-use crate::runtime::{FinishReason, GenerateRequest, RequestEvent, RequestHandle, RoutingStats};
+use crate::runtime::{
+    FinishReason, GenerateRequest, RequestEvent, RequestHandle, RoutingStats, RuntimeError,
+};
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
 use serde_json::{json, Value};
@@ -109,13 +112,14 @@ async fn run(
         });
     }
     let policy = model.filter(|m| m != "default");
+    let slot = state.admission.enter().await?;
     let prompt_tokens = prompt.len();
     let handle = state.runtime.submit(GenerateRequest {
         prompt,
         policy,
         max_tokens: generation.max_tokens,
         sampling: generation.sampling,
-        timeout: None,
+        timeout: Some(generation.timeout),
         ignore_eos: generation.ignore_eos,
     })?;
     let tokenizer = state.tokenizer()?.clone();
@@ -137,7 +141,13 @@ async fn run(
         prompt_tokens,
         include_usage: generation.include_usage,
     };
-    let progress = Progress::new(handle, tokenizer, generation.stop, reply.model_names.len());
+    let progress = Progress::new(
+        handle,
+        slot,
+        tokenizer,
+        generation.stop,
+        reply.model_names.len(),
+    );
     if generation.stream {
         Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
@@ -154,6 +164,8 @@ type Decoder = Box<dyn Fn(&[u32]) -> String + Send>;
 /// What one request produced so far, as text.
 struct Progress {
     handle: RequestHandle,
+    /// Held until the response ends (or the client leaves).
+    _slot: Slot,
     text: TextStream<Decoder>,
     tokens_per_model: Vec<usize>,
     /// Changes of writing model between consecutive tokens: the handoff count when a stop
@@ -173,6 +185,7 @@ enum Outcome {
 impl Progress {
     fn new(
         handle: RequestHandle,
+        slot: Slot,
         tokenizer: Arc<ModelTokenizer>,
         stop: Vec<String>,
         models: usize,
@@ -180,6 +193,7 @@ impl Progress {
         let decode: Decoder = Box::new(move |ids| tokenizer.decode(ids, true).unwrap_or_default());
         Self {
             handle,
+            _slot: slot,
             text: TextStream::new(decode, stop),
             tokens_per_model: vec![0; models],
             model_changes: 0,
@@ -211,7 +225,9 @@ impl Progress {
             Some(RequestEvent::Finished { reason, stats, .. }) => {
                 Outcome::Done(self.text.finish(), reason, stats)
             }
-            Some(RequestEvent::Failed(message)) => Outcome::Failed(ApiError::Internal(message)),
+            Some(RequestEvent::Failed { message, kind }) => {
+                Outcome::Failed(RuntimeError::failed(kind, message).into())
+            }
             None => Outcome::Failed(ApiError::Unavailable(
                 "the runtime stopped before the request finished".into(),
             )),

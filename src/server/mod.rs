@@ -2,6 +2,7 @@
 //! admin routes for hot-swapping policies and a Prometheus endpoint.
 
 mod admin;
+mod admission;
 pub mod error;
 mod generate;
 pub mod openai;
@@ -14,6 +15,7 @@ use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::Runtime;
 use crate::telemetry;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use admission::Admission;
 use error::ApiError;
 use futures_util::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -21,6 +23,7 @@ use serde::de::DeserializeOwned;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 /// How often histograms are compacted and idle metrics expired.
 const METRICS_UPKEEP: Duration = Duration::from_secs(5);
@@ -28,6 +31,7 @@ const METRICS_UPKEEP: Duration = Duration::from_secs(5);
 /// What every handler shares.
 pub struct AppState {
     pub runtime: Arc<Runtime>,
+    admission: Arc<Admission>,
     pub config: ServerConfig,
     admin_token: Option<String>,
     /// The chat template, or why there is none (then only chat requests fail).
@@ -36,7 +40,12 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(runtime: Arc<Runtime>, config: &Config, metrics: PrometheusHandle) -> Self {
+    pub fn new(
+        runtime: Arc<Runtime>,
+        admission: Arc<Admission>,
+        config: &Config,
+        metrics: PrometheusHandle,
+    ) -> Self {
         let chat_template = runtime
             .tokenizer()
             .map_err(|e| e.to_string())
@@ -47,6 +56,7 @@ impl AppState {
             .filter(|t| !t.is_empty());
         Self {
             runtime,
+            admission,
             config: config.server.clone(),
             admin_token,
             chat_template,
@@ -140,15 +150,32 @@ fn parse<T: DeserializeOwned>(body: &serde_json::Value) -> Result<T, ApiError> {
     })
 }
 
-/// Loads the models, binds, and serves until SIGINT/SIGTERM. SIGHUP re-reads the policies
-/// from `config_path`.
+/// Loads the models, binds, and serves until SIGTERM/SIGINT, then drains: no new requests
+/// (503), running ones get `shutdown_grace_s` to finish. SIGHUP re-reads the policies from
+/// `config_path`.
 pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let metrics = telemetry::install();
     let runtime = Arc::new(Runtime::start(&config, None)?);
-    let state = web::Data::new(AppState::new(runtime.clone(), &config, metrics.clone()));
+    let limits = &config.server;
+    let admission = Arc::new(Admission::new(
+        limits.max_concurrent_requests,
+        limits.max_queued_requests,
+    ));
+    let state = web::Data::new(AppState::new(
+        runtime.clone(),
+        admission.clone(),
+        &config,
+        metrics.clone(),
+    ));
+    // Installed before the "listening" line: until then these signals would still kill.
+    let hangups = signal(SignalKind::hangup())?;
+    let terminate = signal(SignalKind::terminate())?;
+    let interrupt = signal(SignalKind::interrupt())?;
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
-        .workers(config.server.workers)
-        .bind((config.server.host.as_str(), config.server.port))?;
+        .workers(limits.workers)
+        .shutdown_timeout(limits.shutdown_grace_s)
+        .disable_signals()
+        .bind((limits.host.as_str(), limits.port))?;
     for addr in server.addrs() {
         eprintln!("tokenrouter listening on http://{addr}");
     }
@@ -160,18 +187,35 @@ pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
             metrics.run_upkeep();
         }
     });
-    actix_web::rt::spawn(reload_on_hangup(runtime.clone(), config_path));
+    actix_web::rt::spawn(reload_on_hangup(hangups, runtime.clone(), config_path));
+    actix_web::rt::spawn(drain_on_signal(
+        terminate,
+        interrupt,
+        admission,
+        server.handle(),
+    ));
     server.await?;
     runtime.shutdown();
+    eprintln!("tokenrouter stopped");
     Ok(())
 }
 
-async fn reload_on_hangup(runtime: Arc<Runtime>, config_path: PathBuf) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-        eprintln!("warning: cannot listen for SIGHUP; policy reload by signal is off");
-        return;
-    };
+async fn drain_on_signal(
+    mut terminate: Signal,
+    mut interrupt: Signal,
+    admission: Arc<Admission>,
+    server: actix_web::dev::ServerHandle,
+) {
+    tokio::select! {
+        _ = terminate.recv() => {}
+        _ = interrupt.recv() => {}
+    }
+    eprintln!("shutting down: draining running requests");
+    admission.drain();
+    server.stop(true).await;
+}
+
+async fn reload_on_hangup(mut hangups: Signal, runtime: Arc<Runtime>, config_path: PathBuf) {
     while hangups.recv().await.is_some() {
         let result = Config::load(&config_path)
             .map_err(crate::runtime::RuntimeError::from)

@@ -41,6 +41,8 @@ pub struct GenerationOptions {
     /// Extension (as in vLLM): generate exactly `max_tokens`, for benchmarks.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Extension: this request's deadline in seconds (at most `server.request_timeout_s`).
+    pub timeout: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -93,6 +95,7 @@ pub struct Generation {
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
+    pub timeout: std::time::Duration,
 }
 
 impl GenerationOptions {
@@ -143,6 +146,16 @@ impl GenerationOptions {
             ));
         }
         let seed = self.seed.map_or_else(rand::random, |s| s as u64);
+        let timeout = match self.timeout {
+            None => limits.request_timeout_s,
+            Some(t) if t > 0.0 && t.is_finite() => t.min(limits.request_timeout_s),
+            Some(t) => {
+                return Err(ApiError::invalid(
+                    "timeout",
+                    format!("`timeout` must be a positive number of seconds, got {t}"),
+                ))
+            }
+        };
         Ok(Generation {
             max_tokens: max_tokens as usize,
             sampling: SamplingParams {
@@ -154,6 +167,7 @@ impl GenerationOptions {
             stop,
             stream: self.stream,
             ignore_eos: self.ignore_eos,
+            timeout: std::time::Duration::from_secs_f64(timeout),
             include_usage: self
                 .stream_options
                 .as_ref()

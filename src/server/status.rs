@@ -67,6 +67,7 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
         "mode": state.runtime.mode().as_str(),
         "models": state.runtime.model_names(),
         "live_requests": state.runtime.live_requests(),
+        "queued_requests": state.admission.queued(),
     }))
 }
 

@@ -3,6 +3,7 @@
 //! throughput and admission delay for delayed-batching thresholds, and the threshold search.
 
 pub mod dtmc;
+pub mod online;
 pub mod paper;
 
 pub use dtmc::{predict, search, AffineLatency, DtmcModel, Prediction, TuneError};

@@ -131,6 +131,20 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Waits up to `limit` for the process to exit on its own.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -184,6 +198,11 @@ pub fn stream_events(server: &Server, path: &str, body: &serde_json::Value) -> V
 
 /// Two tiny models; `r2r` at θ = 0 sends every token to `large`, at θ = 1e6 none.
 pub fn write_tiny_config(dir: &Path, r2r_threshold: f64) -> PathBuf {
+    write_tiny_config_with(dir, r2r_threshold, "")
+}
+
+/// The same, with extra `[server]` lines.
+pub fn write_tiny_config_with(dir: &Path, r2r_threshold: f64, server: &str) -> PathBuf {
     let spec = TinySpec::new(Arch::Llama);
     let small = super::write_gguf(&dir.join("small.gguf"), &spec, GgmlDType::Q8_0);
     let large_spec = TinySpec { seed: 99, ..spec };
@@ -207,7 +226,7 @@ batch_timeout_ms = 2
 [server]
 max_body_bytes = 4096
 max_prompt_tokens = 200
-max_tokens_limit = 256
+{server}
 [[policies]]
 name = "me"
 kind = "me"

@@ -1,0 +1,126 @@
+//! SVG plots of a `bench routing` run (`--out DIR`): throughput per mode against concurrency
+//! for each policy, and the Markov model's prediction against the measured throughput.
+
+use super::routing::RoutingBenchRow;
+use plotters::prelude::*;
+use std::path::{Path, PathBuf};
+
+const SIZE: (u32, u32) = (720, 480);
+
+type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Writes every plot into `dir` and returns their paths.
+pub fn write_all(rows: &[RoutingBenchRow], dir: &Path) -> PlotResult<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir)?;
+    let mut written = Vec::new();
+    let mut policies: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
+    policies.dedup();
+    for policy in policies {
+        let path = dir.join(format!(
+            "throughput-{}.svg",
+            policy.replace(['/', '@'], "_")
+        ));
+        throughput(rows, policy, &path)?;
+        written.push(path);
+    }
+    let path = dir.join("predicted-vs-measured.svg");
+    if predicted_vs_measured(rows, &path)? {
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// Mean tokens/s over rounds per (mode, concurrency), one line per mode.
+fn throughput(rows: &[RoutingBenchRow], policy: &str, path: &Path) -> PlotResult<()> {
+    let rows: Vec<&RoutingBenchRow> = rows.iter().filter(|r| r.policy == policy).collect();
+    let mut modes: Vec<&str> = rows.iter().map(|r| r.mode).collect();
+    modes.sort();
+    modes.dedup();
+    let max_n = rows.iter().map(|r| r.concurrency).max().unwrap_or(1) as f64;
+    let max_y = rows.iter().map(|r| r.tokens_per_s).fold(1.0, f64::max) * 1.15;
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("{policy}: throughput by execution mode"),
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_n + 1.0, 0.0..max_y)?;
+    chart
+        .configure_mesh()
+        .x_desc("concurrent requests N")
+        .y_desc("tokens/s")
+        .draw()?;
+    for (k, mode) in modes.iter().enumerate() {
+        let mut points: Vec<(f64, f64)> = Vec::new();
+        let mut ns: Vec<usize> = rows
+            .iter()
+            .filter(|r| r.mode == *mode)
+            .map(|r| r.concurrency)
+            .collect();
+        ns.sort();
+        ns.dedup();
+        for n in ns {
+            let cell: Vec<f64> = rows
+                .iter()
+                .filter(|r| r.mode == *mode && r.concurrency == n)
+                .map(|r| r.tokens_per_s)
+                .collect();
+            points.push((n as f64, cell.iter().sum::<f64>() / cell.len() as f64));
+        }
+        let color = Palette99::pick(k).to_rgba();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+            .label(*mode)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+            });
+        chart.draw_series(
+            points
+                .into_iter()
+                .map(|p| Circle::new(p, 4, color.filled())),
+        )?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// One point per cell with a prediction; false when no cell has one.
+fn predicted_vs_measured(rows: &[RoutingBenchRow], path: &Path) -> PlotResult<bool> {
+    let points: Vec<(f64, f64)> = rows
+        .iter()
+        .filter_map(|r| r.predicted_tokens_per_s.map(|p| (p, r.tokens_per_s)))
+        .collect();
+    if points.is_empty() {
+        return Ok(false);
+    }
+    let max = points.iter().map(|&(p, m)| p.max(m)).fold(1.0, f64::max) * 1.1;
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Markov model: predicted vs measured throughput",
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max, 0.0..max)?;
+    chart
+        .configure_mesh()
+        .x_desc("predicted tokens/s")
+        .y_desc("measured tokens/s")
+        .draw()?;
+    chart.draw_series(LineSeries::new([(0.0, 0.0), (max, max)], BLACK.mix(0.4)))?;
+    chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, BLUE.filled())))?;
+    root.present()?;
+    Ok(true)
+}

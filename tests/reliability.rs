@@ -1,0 +1,140 @@
+//! Overload, deadlines and shutdown on a real `tokenrouter serve` child process (tiny
+//! models): nothing hangs, nothing is lost, every refusal says when to retry.
+
+mod common;
+
+use common::server::{stream_events, write_tiny_config_with, Server};
+use serde_json::{json, Value};
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+/// A streamed completion that runs for a while (end-of-sequence ignored).
+fn long_stream(tokens: u32) -> Value {
+    json!({"model": "me", "prompt": "the city", "max_tokens": tokens, "stream": true,
+           "ignore_eos": true, "temperature": 0})
+}
+
+#[test]
+fn past_the_queue_bound_requests_get_429_with_retry_after_and_the_rest_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config_with(
+        dir.path(),
+        0.0,
+        "max_concurrent_requests = 1\nmax_queued_requests = 1",
+    );
+    let server = Server::start(&config);
+    std::thread::scope(|scope| {
+        // One running (its first event arrived), one queued behind it...
+        let first = ureq::post(&server.url("/v1/completions"))
+            .send_string(&long_stream(480).to_string())
+            .unwrap();
+        let mut first = first.into_reader();
+        let mut head = [0u8; 6];
+        first.read_exact(&mut head).unwrap();
+        let started = Instant::now();
+        let queued = scope.spawn(|| stream_events(&server, "/v1/completions", &long_stream(256)));
+        while server.call("GET", "/health", None, None).1["queued_requests"] != 1 {
+            assert!(started.elapsed() < Duration::from_secs(5), "never queued");
+        }
+        // ...so a third is refused at once.
+        let refused =
+            ureq::post(&server.url("/v1/completions")).send_string(&long_stream(8).to_string());
+        match refused {
+            Err(ureq::Error::Status(429, response)) => {
+                assert_eq!(response.header("retry-after"), Some("1"));
+                let body: Value = serde_json::from_str(&response.into_string().unwrap()).unwrap();
+                assert_eq!(body["error"]["type"], "overloaded_error", "{body}");
+            }
+            other => panic!("expected 429, got {other:?}"),
+        }
+        eprintln!(
+            "refused {:?} after the first stream started",
+            started.elapsed()
+        );
+        let mut rest = String::new();
+        first.read_to_string(&mut rest).unwrap();
+        assert!(rest.ends_with("data: [DONE]\n\n"));
+        let events = queued.join().unwrap();
+        assert_eq!(events.last().unwrap(), "[DONE]");
+        let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+        assert_eq!(last["usage"]["completion_tokens"], 256, "{last}");
+    });
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "the city", "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "slots are free again");
+}
+
+#[test]
+fn an_expired_deadline_answers_504_and_frees_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&write_tiny_config_with(dir.path(), 0.0, ""));
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"model": "me", "prompt": "the city", "max_tokens": 256, "ignore_eos": true,
+                "timeout": 0.02}),
+    );
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["error"]["type"], "timeout_error");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("deadline"));
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "the city", "timeout": -1}),
+    );
+    assert_eq!((status, &body["error"]["param"]), (400, &json!("timeout")));
+    server.wait_for_metrics("the expired request freed", |text| {
+        text.contains(r#"tokenrouter_requests_total{policy="me",status="deadline"} 1"#)
+            && common::server::samples(text, "tokenrouter_kv_tokens_used").all(|(_, v)| v == 0.0)
+    });
+}
+
+#[test]
+fn sigterm_lets_running_streams_finish_then_exits_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(&write_tiny_config_with(
+        dir.path(),
+        0.0,
+        "shutdown_grace_s = 20",
+    ));
+    let streams: Vec<_> = (0..3)
+        .map(|_| {
+            let response = ureq::post(&server.url("/v1/completions"))
+                .send_string(&long_stream(240).to_string())
+                .unwrap();
+            let mut reader = response.into_reader();
+            let mut first = [0u8; 6];
+            reader.read_exact(&mut first).unwrap();
+            assert_eq!(&first, b"data: ");
+            reader
+        })
+        .collect();
+    let sent = Instant::now();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for mut reader in streams {
+        let mut rest = String::new();
+        reader.read_to_string(&mut rest).unwrap();
+        assert!(
+            rest.ends_with("data: [DONE]\n\n"),
+            "a stream was cut: {rest:?}"
+        );
+        assert!(rest.contains("\"finish_reason\":\"length\""));
+    }
+    let exit = server
+        .wait_exit(Duration::from_secs(30))
+        .expect("the server exits after draining");
+    assert!(exit.success(), "{exit:?}");
+    assert!(sent.elapsed() < Duration::from_secs(25));
+    let log = server.log.lock().unwrap().clone();
+    assert!(
+        log.contains("draining") && log.contains("tokenrouter stopped"),
+        "{log}"
+    );
+}
