@@ -113,6 +113,34 @@ enum BenchCommand {
     Pair(BenchPairArgs),
     /// Closed-loop clients through the runtime, per policy, mode and concurrency.
     Routing(BenchRoutingArgs),
+    /// Load a running server over HTTP: disconnects, policy swaps; nothing may hang or leak.
+    Load(BenchLoadArgs),
+}
+
+#[derive(Args)]
+struct BenchLoadArgs {
+    /// The server, e.g. http://127.0.0.1:8080 (loopback).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 8)]
+    max_tokens: usize,
+    /// Fraction of requests whose client hangs up early.
+    #[arg(long, default_value_t = 0.1)]
+    disconnect: f64,
+    /// Policies the default policy is swapped between (needs the admin token).
+    #[arg(long, value_delimiter = ',', default_value = "me,r2r,citer")]
+    swap_policies: Vec<String>,
+    #[arg(long, default_value_t = 10.0)]
+    swap_every_s: f64,
+    /// A request unanswered this long counts as hung.
+    #[arg(long, default_value_t = 600.0)]
+    hang_after_s: f64,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -215,6 +243,7 @@ fn main() {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
         Command::Bench(BenchCommand::Routing(args)) => run_bench_routing(args),
+        Command::Bench(BenchCommand::Load(args)) => run_bench_load(args),
         Command::Models(ModelsCommand::List { config, json }) => run_models_list(&config, json),
         Command::Tune(args) => run_tune(args),
         Command::Models(ModelsCommand::Fetch { config }) => {
@@ -450,6 +479,39 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         for path in written {
             eprintln!("wrote {}", path.display());
         }
+    }
+    Ok(())
+}
+
+fn run_bench_load(args: BenchLoadArgs) -> anyhow::Result<()> {
+    if args.requests == 0 || args.concurrency == 0 || args.max_tokens == 0 {
+        anyhow::bail!("--requests, --concurrency and --max-tokens must be positive");
+    }
+    if !(0.0..=1.0).contains(&args.disconnect) {
+        anyhow::bail!("--disconnect is a fraction in [0, 1]");
+    }
+    if !(args.swap_every_s > 0.0 && args.hang_after_s > 0.0) {
+        anyhow::bail!("--swap-every-s and --hang-after-s must be positive");
+    }
+    let settings = bench::load::LoadSettings {
+        url: args.url.trim_end_matches('/').to_string(),
+        requests: args.requests,
+        concurrency: args.concurrency,
+        max_tokens: args.max_tokens,
+        disconnect_fraction: args.disconnect,
+        swap_policies: args.swap_policies,
+        swap_every: std::time::Duration::from_secs_f64(args.swap_every_s),
+        admin_token: std::env::var("TOKENROUTER_ADMIN_TOKEN").ok(),
+        hang_after: std::time::Duration::from_secs_f64(args.hang_after_s),
+    };
+    let report = bench::load::run(&settings);
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.markdown());
+    }
+    if !report.passed() {
+        anyhow::bail!("requests hung or were lost, KV is still held, or the server is unhealthy");
     }
     Ok(())
 }

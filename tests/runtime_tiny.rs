@@ -349,7 +349,13 @@ async fn bad_requests_are_refused_with_clear_errors() {
     assert!(matches!(err, RuntimeError::UnknownPolicy(ref p) if p == "nope"));
     assert!(rt.submit(request(&[], "me", 4, 0)).is_err());
     assert!(rt.submit(request(&[1], "me", 0, 0)).is_err());
-    let mut timed = request(&(3..50).collect::<Vec<_>>(), "me", 100_000, 0);
+    let beyond_context = rt.submit(request(&[1, 2], "me", 600, 0)).err().unwrap();
+    assert!(
+        beyond_context.to_string().contains("context of 512"),
+        "{beyond_context}"
+    );
+    let mut timed = request(&(3..50).collect::<Vec<_>>(), "me", 400, 0);
+    timed.ignore_eos = true;
     timed.timeout = Some(Duration::from_millis(30));
     let err = rt.submit(timed).unwrap().collect().await.unwrap_err();
     assert!(err.to_string().contains("deadline"), "{err}");

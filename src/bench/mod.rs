@@ -2,6 +2,7 @@
 //! Long sweeps live here, not in `cargo test`.
 
 pub mod engine;
+pub mod load;
 pub mod pair;
 pub mod plots;
 pub mod prompts;

@@ -57,6 +57,8 @@ pub trait StepExecutor: Send {
     fn name(&self) -> &str;
     fn vocab_size(&self) -> usize;
     fn hidden_size(&self) -> usize;
+    /// Longest sequence (prompt + generated) the model can hold.
+    fn context_length(&self) -> usize;
     /// One forward pass over all sequences of `work`; on error no sequence has changed.
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>>;
     /// The per-sequence KV bookkeeping every backend keeps.
@@ -168,6 +170,10 @@ impl StepExecutor for Executor {
 
     fn hidden_size(&self) -> usize {
         self.model.weights.hp.hidden
+    }
+
+    fn context_length(&self) -> usize {
+        self.model.weights.hp.context
     }
 
     /// Runs on this model's own thread pool.

@@ -75,6 +75,10 @@ impl StepExecutor for LatencyProfileExecutor {
         1
     }
 
+    fn context_length(&self) -> usize {
+        usize::MAX
+    }
+
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
         let start = Instant::now();
         let reservations: Vec<(SeqId, usize)> =

@@ -159,6 +159,8 @@ pub struct Runtime {
     /// The config the registry was built from; updates apply to it and are validated whole.
     config: Mutex<Config>,
     hidden_sizes: Vec<usize>,
+    /// The shortest context of the routed models: a request must fit every one.
+    context_length: usize,
     /// `None` when every model is a latency-profile simulation.
     tokenizer: Option<Arc<ModelTokenizer>>,
     eos: Arc<BTreeSet<u32>>,
@@ -208,6 +210,11 @@ impl Runtime {
             )));
         }
         let hidden_sizes: Vec<usize> = executors.iter().map(|e| e.hidden_size()).collect();
+        let context_length = executors
+            .iter()
+            .map(|e| e.context_length())
+            .min()
+            .unwrap_or(usize::MAX);
         let policies = PolicyRegistry::from_config(config, &hidden_sizes)?;
         for policy in policies.all() {
             let info = policy.describe();
@@ -289,6 +296,7 @@ impl Runtime {
             policies: ArcSwap::from_pointee(policies),
             config: Mutex::new(config.clone()),
             hidden_sizes,
+            context_length,
             tokenizer,
             eos,
             live,
@@ -308,6 +316,10 @@ impl Runtime {
                 "every model is a latency-profile simulation: no tokenizer".into(),
             )
         })
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.context_length
     }
 
     pub fn stats(&self) -> &Arc<RuntimeStats> {
@@ -391,6 +403,14 @@ impl Runtime {
             return Err(RuntimeError::InvalidRequest(
                 "max_tokens must be at least 1".into(),
             ));
+        }
+        if request.prompt.len().saturating_add(request.max_tokens) > self.context_length {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "the prompt ({} tokens) plus max_tokens ({}) exceeds the models' context of {} tokens",
+                request.prompt.len(),
+                request.max_tokens,
+                self.context_length
+            )));
         }
         let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
         let seed = request.sampling.seed;

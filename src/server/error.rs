@@ -110,7 +110,7 @@ impl ResponseError for ApiError {
             ApiError::AdminDisabled => StatusCode::FORBIDDEN,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::DeadlineExceeded(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::DeadlineExceeded(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

@@ -111,13 +111,35 @@ async fn run(
             param: prompt_field,
         });
     }
+    let context = state.runtime.context_length();
+    let room = context.saturating_sub(prompt.len());
+    let max_tokens = match generation.max_tokens {
+        Some((field, n)) if n > room => {
+            return Err(ApiError::invalid(
+                field,
+                format!(
+                    "the prompt ({} tokens) plus `{field}` ({n}) exceeds the context of {context} tokens",
+                    prompt.len()
+                ),
+            ))
+        }
+        Some((_, n)) => n,
+        None if room == 0 => {
+            return Err(ApiError::ContextLength {
+                prompt: prompt.len(),
+                limit: context - 1,
+                param: prompt_field,
+            })
+        }
+        None => room.min(state.config.max_tokens_limit),
+    };
     let policy = model.filter(|m| m != "default");
     let slot = state.admission.enter().await?;
     let prompt_tokens = prompt.len();
     let handle = state.runtime.submit(GenerateRequest {
         prompt,
         policy,
-        max_tokens: generation.max_tokens,
+        max_tokens,
         sampling: generation.sampling,
         timeout: Some(generation.timeout),
         ignore_eos: generation.ignore_eos,

@@ -89,7 +89,8 @@ pub struct ContentPart {
 /// Validated generation parameters.
 #[derive(Debug, Clone)]
 pub struct Generation {
-    pub max_tokens: usize,
+    /// The field that set it and its value; `None`: until the context is full (chat).
+    pub max_tokens: Option<(&'static str, usize)>,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -103,15 +104,13 @@ impl GenerationOptions {
     pub fn validate(
         &self,
         max_tokens: Option<(&'static str, i64)>,
-        default_max_tokens: i64,
         limits: &ServerConfig,
     ) -> Result<Generation, ApiError> {
-        let (field, max_tokens) = max_tokens.unwrap_or(("max_tokens", default_max_tokens));
         let limit = limits.max_tokens_limit as i64;
-        if !(1..=limit).contains(&max_tokens) {
+        if let Some((field, value)) = max_tokens.filter(|(_, v)| !(1..=limit).contains(v)) {
             return Err(ApiError::invalid(
                 field,
-                format!("`{field}` must be between 1 and {limit}, got {max_tokens}"),
+                format!("`{field}` must be between 1 and {limit}, got {value}"),
             ));
         }
         let temperature = self.temperature.unwrap_or(DEFAULT_TEMPERATURE);
@@ -157,7 +156,7 @@ impl GenerationOptions {
             }
         };
         Ok(Generation {
-            max_tokens: max_tokens as usize,
+            max_tokens: max_tokens.map(|(field, v)| (field, v as usize)),
             sampling: SamplingParams {
                 temperature: temperature as f32,
                 top_k: 0,
@@ -182,8 +181,8 @@ impl CompletionRequest {
         options: &GenerationOptions,
         limits: &ServerConfig,
     ) -> Result<Generation, ApiError> {
-        let max_tokens = options.max_tokens.map(|v| ("max_tokens", v));
-        options.validate(max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, limits)
+        let max_tokens = options.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
+        options.validate(Some(("max_tokens", max_tokens)), limits)
     }
 }
 
@@ -198,8 +197,8 @@ impl ChatCompletionRequest {
             (None, Some(v)) => Some(("max_tokens", v)),
             (None, None) => None,
         };
-        // Chat has no OpenAI default length; the server's limit is the natural bound.
-        options.validate(max_tokens, limits.max_tokens_limit as i64, limits)
+        // Chat has no default length: it runs until the context (or the server's limit) ends.
+        options.validate(max_tokens, limits)
     }
 
     /// The messages as the chat template takes them.
