@@ -20,6 +20,7 @@ fn past_the_queue_bound_requests_get_429_with_retry_after_and_the_rest_complete(
     let config = write_tiny_config_with(
         dir.path(),
         0.0,
+        8192,
         "max_concurrent_requests = 1\nmax_queued_requests = 1",
     );
     let server = Server::start(&config);
@@ -67,15 +68,15 @@ fn past_the_queue_bound_requests_get_429_with_retry_after_and_the_rest_complete(
 }
 
 #[test]
-fn an_expired_deadline_answers_504_and_frees_the_request() {
+fn an_expired_deadline_answers_408_and_frees_the_request() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&write_tiny_config_with(dir.path(), 0.0, ""));
+    let server = Server::start(&write_tiny_config_with(dir.path(), 0.0, 8192, ""));
     let (status, body) = server.post(
         "/v1/completions",
         &json!({"model": "me", "prompt": "the city", "max_tokens": 256, "ignore_eos": true,
                 "timeout": 0.02}),
     );
-    assert_eq!(status, 504, "{body}");
+    assert_eq!(status, 408, "{body}");
     assert_eq!(body["error"]["type"], "timeout_error");
     assert!(body["error"]["message"]
         .as_str()
@@ -93,12 +94,13 @@ fn an_expired_deadline_answers_504_and_frees_the_request() {
 }
 
 #[test]
-fn sigterm_lets_running_streams_finish_then_exits_zero() {
+fn sigterm_refuses_queued_requests_lets_running_streams_finish_then_exits_zero() {
     let dir = tempfile::tempdir().unwrap();
     let mut server = Server::start(&write_tiny_config_with(
         dir.path(),
         0.0,
-        "shutdown_grace_s = 20",
+        8192,
+        "shutdown_grace_s = 20\nmax_concurrent_requests = 3\nmax_queued_requests = 4",
     ));
     let streams: Vec<_> = (0..3)
         .map(|_| {
@@ -112,12 +114,32 @@ fn sigterm_lets_running_streams_finish_then_exits_zero() {
             reader
         })
         .collect();
+    // A fourth request waits for a slot: draining answers it 503 with Retry-After.
+    let queued = std::thread::spawn({
+        let url = server.url("/v1/completions");
+        move || match ureq::post(&url).send_string(&long_stream(8).to_string()) {
+            Ok(r) => (r.status(), None),
+            Err(ureq::Error::Status(code, r)) => {
+                (code, r.header("retry-after").map(str::to_string))
+            }
+            Err(e) => panic!("transport error: {e}"),
+        }
+    });
+    while server.call("GET", "/health", None, None).1["queued_requests"] != 1 {
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let sent = Instant::now();
     let status = std::process::Command::new("kill")
         .args(["-TERM", &server.pid().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
+    let (status, retry_after) = queued.join().unwrap();
+    assert_eq!(
+        (status, retry_after.as_deref()),
+        (503, Some("1")),
+        "the queued request"
+    );
     for mut reader in streams {
         let mut rest = String::new();
         reader.read_to_string(&mut rest).unwrap();
@@ -137,4 +159,63 @@ fn sigterm_lets_running_streams_finish_then_exits_zero() {
         log.contains("draining") && log.contains("tokenrouter stopped"),
         "{log}"
     );
+}
+
+#[test]
+fn kv_exhaustion_answers_429_with_retry_after_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    // 96 KV tokens per model: one 40-token request fits, eight at once cannot.
+    let server = Server::start(&write_tiny_config_with(dir.path(), 0.0, 96, ""));
+    let results: Vec<(u16, Option<String>, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                let server = &server;
+                scope.spawn(move || {
+                    let body = json!({"model": "me", "prompt": "the weather in the city",
+                                      "max_tokens": 32, "ignore_eos": true, "seed": i});
+                    match ureq::post(&server.url("/v1/completions")).send_string(&body.to_string())
+                    {
+                        Ok(r) => (
+                            r.status(),
+                            None,
+                            serde_json::from_str(&r.into_string().unwrap()).unwrap(),
+                        ),
+                        Err(ureq::Error::Status(code, r)) => {
+                            let retry = r.header("retry-after").map(str::to_string);
+                            (
+                                code,
+                                retry,
+                                serde_json::from_str(&r.into_string().unwrap()).unwrap(),
+                            )
+                        }
+                        Err(e) => panic!("lost: {e}"),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut refused = 0;
+    for (status, retry_after, body) in &results {
+        match status {
+            200 => assert_eq!(body["usage"]["completion_tokens"], 32, "{body}"),
+            429 => {
+                refused += 1;
+                assert_eq!(retry_after.as_deref(), Some("1"));
+                assert!(body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("KV cache full"));
+            }
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    assert!(
+        refused > 0 && refused < results.len(),
+        "{refused} of {} refused",
+        results.len()
+    );
+    server.wait_for_metrics("KV freed", |text| {
+        common::server::samples(text, "tokenrouter_kv_tokens_used").all(|(_, v)| v == 0.0)
+    });
 }

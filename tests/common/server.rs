@@ -198,11 +198,16 @@ pub fn stream_events(server: &Server, path: &str, body: &serde_json::Value) -> V
 
 /// Two tiny models; `r2r` at θ = 0 sends every token to `large`, at θ = 1e6 none.
 pub fn write_tiny_config(dir: &Path, r2r_threshold: f64) -> PathBuf {
-    write_tiny_config_with(dir, r2r_threshold, "")
+    write_tiny_config_with(dir, r2r_threshold, 8192, "")
 }
 
-/// The same, with extra `[server]` lines.
-pub fn write_tiny_config_with(dir: &Path, r2r_threshold: f64, server: &str) -> PathBuf {
+/// The same, with each model's KV budget and extra `[server]` lines.
+pub fn write_tiny_config_with(
+    dir: &Path,
+    r2r_threshold: f64,
+    kv_tokens: usize,
+    server: &str,
+) -> PathBuf {
     let spec = TinySpec::new(Arch::Llama);
     let small = super::write_gguf(&dir.join("small.gguf"), &spec, GgmlDType::Q8_0);
     let large_spec = TinySpec { seed: 99, ..spec };
@@ -215,11 +220,11 @@ pub fn write_tiny_config_with(dir: &Path, r2r_threshold: f64, server: &str) -> P
 [[models]]
 name = "large"
 path = "{}"
-kv_tokens = 8192
+kv_tokens = {kv_tokens}
 [[models]]
 name = "small"
 path = "{}"
-kv_tokens = 8192
+kv_tokens = {kv_tokens}
 [runtime]
 default_policy = "me"
 batch_timeout_ms = 2
