@@ -19,37 +19,37 @@ fn missing(what: &str) -> Option<PathBuf> {
     None
 }
 
-/// A Python that can `import openai`.
-fn python_with_openai() -> Option<PathBuf> {
-    let python = std::env::var_os("TOKENROUTER_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-test/bin/python"));
-    let ok = Command::new(&python)
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        Some(python)
-    } else {
-        missing("a Python with the `openai` package")
-    }
-}
-
-fn prometheus() -> Option<PathBuf> {
-    let binary = std::env::var_os("TOKENROUTER_PROMETHEUS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("prometheus"));
-    let ok = Command::new(&binary)
-        .arg("--version")
+/// The program `env` names (or `default`) when running it with `args` succeeds.
+fn working_program(env: &str, default: PathBuf, args: &[&str], what: &str) -> Option<PathBuf> {
+    let program = std::env::var_os(env).map(PathBuf::from).unwrap_or(default);
+    let ok = Command::new(&program)
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if ok {
-        Some(binary)
+        Some(program)
     } else {
-        missing("the `prometheus` server")
+        missing(what)
     }
+}
+
+/// A Python that can `import openai`.
+fn python_with_openai() -> Option<PathBuf> {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-test/bin/python");
+    let what = "a Python with the `openai` package";
+    working_program("TOKENROUTER_PYTHON", venv, &["-c", "import openai"], what)
+}
+
+fn prometheus() -> Option<PathBuf> {
+    let what = "the `prometheus` server";
+    working_program(
+        "TOKENROUTER_PROMETHEUS",
+        "prometheus".into(),
+        &["--version"],
+        what,
+    )
 }
 
 #[test]

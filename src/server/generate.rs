@@ -26,14 +26,22 @@ enum Flavor {
     Chat,
 }
 
+/// An endpoint's own body and the generation fields both endpoints share, from one read.
+async fn read_request<T: serde::de::DeserializeOwned>(
+    state: &AppState,
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<(T, GenerationOptions), ApiError> {
+    let body: Value = read_json(req, payload, state.config.max_body_bytes).await?;
+    Ok((super::parse(&body)?, super::parse(&body)?))
+}
+
 pub async fn completions(
     state: web::Data<AppState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: Value = read_json(&req, payload, state.config.max_body_bytes).await?;
-    let request: CompletionRequest = super::parse(&body)?;
-    let options: GenerationOptions = super::parse(&body)?;
+    let (request, options): (CompletionRequest, _) = read_request(&state, &req, payload).await?;
     let generation = request.generation(&options, &state.config)?;
     let tokenizer = state.tokenizer()?;
     let prompt = match &request.prompt {
@@ -74,9 +82,8 @@ pub async fn chat_completions(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: Value = read_json(&req, payload, state.config.max_body_bytes).await?;
-    let request: ChatCompletionRequest = super::parse(&body)?;
-    let options: GenerationOptions = super::parse(&body)?;
+    let (request, options): (ChatCompletionRequest, _) =
+        read_request(&state, &req, payload).await?;
     let generation = request.generation(&options, &state.config)?;
     let messages = request.chat_messages()?;
     let text = state.chat_template()?.render(&messages, true)?;
