@@ -58,6 +58,13 @@ struct TuneArgs {
     /// Print the paper's validation grid and the worked example instead.
     #[arg(long)]
     validate_paper: bool,
+    /// Run the paper's grid (N = 2..4) on the latency-profile executor (a simulation) and
+    /// print measured next to predicted throughput. Timing-sensitive: run on an idle machine.
+    #[arg(long, conflicts_with = "validate_paper")]
+    validate_runtime: bool,
+    /// Measurement window per (N, B_1) for --validate-runtime.
+    #[arg(long, default_value_t = 15.0)]
+    window_s: f64,
     #[arg(long)]
     json: bool,
 }
@@ -518,6 +525,20 @@ fn run_bench_load(args: BenchLoadArgs) -> anyhow::Result<()> {
 
 fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
     use tokenrouter::tuning::{paper, predict, search, AffineLatency, DtmcModel};
+    if args.validate_runtime {
+        if !(args.window_s > 0.0 && args.window_s.is_finite()) {
+            anyhow::bail!("--window-s must be a positive number of seconds");
+        }
+        let window = std::time::Duration::from_secs_f64(args.window_s);
+        let rows = actix::System::new()
+            .block_on(async move { bench::validate::run(&[2, 3, 4], window).await })?;
+        if args.json {
+            println!("{}", json!({"rows": rows}));
+        } else {
+            print!("{}", bench::validate::markdown(&rows));
+        }
+        return Ok(());
+    }
     if args.validate_paper {
         let model = paper::validation_model();
         let mut rows = Vec::new();

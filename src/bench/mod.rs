@@ -7,6 +7,7 @@ pub mod pair;
 pub mod plots;
 pub mod prompts;
 pub mod routing;
+pub mod validate;
 pub mod workloads;
 
 /// Median of a non-empty sample.
