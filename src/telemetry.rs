@@ -203,11 +203,13 @@ impl BatcherMetrics {
         }
     }
 
-    pub fn released(&self, reason: usize, admission_delays: impl Iterator<Item = f64>) {
+    pub fn released(&self, reason: usize) {
         self.releases[reason].increment(1);
-        for delay in admission_delays {
-            self.admission_delay.record(delay);
-        }
+    }
+
+    /// One arrival's wait in the batcher, recorded when its batch is released.
+    pub fn admitted(&self, delay_seconds: f64) {
+        self.admission_delay.record(delay_seconds);
     }
 
     pub fn waiting(&self, n: usize) {

@@ -121,21 +121,14 @@ fn completions_and_chat_answer_in_openai_shape_with_routing_and_usage() {
     for id in ["large", "small", "me", "r2r"] {
         assert!(ids.contains(&id), "{ids:?}");
     }
-    let r2r = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["id"] == "r2r")
-        .unwrap();
+    let entry = |id: &str| {
+        let data = models["data"].as_array().unwrap();
+        data.iter().find(|m| m["id"] == id).unwrap().clone()
+    };
+    let r2r = entry("r2r");
     assert_eq!(r2r["policy"]["learned_router"], false);
     assert_eq!(r2r["policy"]["models"], json!(["small", "large"]));
-    let me = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["id"] == "me")
-        .unwrap();
-    assert_eq!(me["default"], true);
+    assert_eq!(entry("me")["default"], true);
 }
 
 /// One row of the bad-input table: a request and the status and `param` it must get.

@@ -15,7 +15,6 @@ use crate::tuning::{predict, DtmcModel};
 use serde::Serialize;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// Time grid of the per-cell predictions (as the online tuner).
@@ -123,20 +122,15 @@ impl Snapshot {
     fn take(runtime: &Runtime) -> Self {
         let models = &runtime.stats().models;
         let each = |f: fn(&ModelStats) -> u64| models.iter().map(f).collect();
-        let matrix = |f: fn(&ModelStats) -> &Vec<std::sync::atomic::AtomicU64>| {
-            models
-                .iter()
-                .map(|m| f(m).iter().map(|c| c.load(Ordering::Relaxed)).collect())
-                .collect()
-        };
+        let (routed, committed) = runtime.stats().routing_counts();
         Self {
             at: Instant::now(),
             steps: each(|m| ModelStats::get(&m.steps)),
             rows: each(|m| ModelStats::get(&m.rows_stepped)),
             admission_us: each(|m| ModelStats::get(&m.admission_delay_us_total)),
             admissions: each(|m| ModelStats::get(&m.admissions)),
-            routed: matrix(|m| &m.routed_to),
-            committed: matrix(|m| &m.committed_to),
+            routed,
+            committed,
         }
     }
 }
@@ -217,7 +211,7 @@ fn predicted(
                 .step_log()
                 .iter()
                 .filter(|s| s.start >= before.at)
-                .map(|s| (s.batch, (s.end - s.start).as_secs_f64() * 1e3))
+                .map(|s| s.latency_sample())
                 .collect();
             fit_latency(&samples, None)
         })

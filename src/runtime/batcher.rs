@@ -143,12 +143,11 @@ impl BatcherActor {
                 let now = Instant::now();
                 let stats = &self.stats.models[self.model_idx];
                 for w in &self.waiting {
-                    stats.record_admission_delay(now - w.arrived);
+                    let delay = now - w.arrived;
+                    stats.record_admission_delay(delay);
+                    self.metrics.admitted(delay.as_secs_f64());
                 }
-                self.metrics.released(
-                    reason as usize,
-                    self.waiting.iter().map(|w| (now - w.arrived).as_secs_f64()),
-                );
+                self.metrics.released(reason as usize);
                 self.metrics.waiting(0);
                 self.model_idle = false;
                 self.resident_ready_since = None;

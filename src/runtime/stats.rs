@@ -15,6 +15,13 @@ pub struct StepInterval {
     pub batch: usize,
 }
 
+impl StepInterval {
+    /// `(batch, milliseconds)`: a sample for fitting L(b).
+    pub fn latency_sample(&self) -> (usize, f64) {
+        (self.batch, (self.end - self.start).as_secs_f64() * 1e3)
+    }
+}
+
 pub struct ModelStats {
     pub steps: AtomicU64,
     /// Sum of batch sizes over steps (mean batch = rows_stepped / steps).
@@ -112,6 +119,18 @@ pub struct RuntimeStats {
 }
 
 impl RuntimeStats {
+    /// Cumulative route decisions `[i][j]` (steps on i followed by one on j) and the tokens
+    /// they committed.
+    pub fn routing_counts(&self) -> (Vec<Vec<u64>>, Vec<Vec<u64>>) {
+        let matrix = |pick: fn(&ModelStats) -> &Vec<AtomicU64>| {
+            self.models
+                .iter()
+                .map(|m| pick(m).iter().map(|c| c.load(Ordering::Relaxed)).collect())
+                .collect()
+        };
+        (matrix(|m| &m.routed_to), matrix(|m| &m.committed_to))
+    }
+
     /// `thresholds[i]`: model i's initial batching threshold.
     pub fn new(thresholds: &[usize]) -> Self {
         let models = thresholds.len();

@@ -10,7 +10,6 @@ use crate::tuning::online::{fit_latency, RoutingEstimate};
 use crate::tuning::{search, AffineLatency, DtmcModel};
 use actix::prelude::*;
 use dashmap::DashMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -58,15 +57,7 @@ impl TunerActor {
 
     /// The model as currently estimated, once every model has been observed.
     fn estimate(&mut self) -> Option<DtmcModel> {
-        let counts = |pick: fn(&super::stats::ModelStats) -> &Vec<std::sync::atomic::AtomicU64>| {
-            self.stats
-                .models
-                .iter()
-                .map(|m| pick(m).iter().map(|c| c.load(Ordering::Relaxed)).collect())
-                .collect::<Vec<Vec<u64>>>()
-        };
-        let routed = counts(|m| &m.routed_to);
-        let committed = counts(|m| &m.committed_to);
+        let (routed, committed) = self.stats.routing_counts();
         self.routing.update(&routed, &committed);
         if !self.routing.ready() {
             return None;
@@ -79,10 +70,8 @@ impl TunerActor {
             .map(|(m, prior)| {
                 let log = m.step_log();
                 let recent = &log[log.len().saturating_sub(LATENCY_SAMPLES)..];
-                let samples: Vec<(usize, f64)> = recent
-                    .iter()
-                    .map(|s| (s.batch, (s.end - s.start).as_secs_f64() * 1e3))
-                    .collect();
+                let samples: Vec<(usize, f64)> =
+                    recent.iter().map(|s| s.latency_sample()).collect();
                 fit_latency(&samples, *prior)
             })
             .collect::<Option<Vec<_>>>()?;
