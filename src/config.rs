@@ -96,7 +96,8 @@ pub struct TuningConfig {
     pub routing: Vec<Vec<f64>>,
     /// `commits[i][j]`: tokens committed on that transition.
     pub commits: Vec<Vec<f64>>,
-    /// Per model `[a, c]`: step latency a + c·batch in ms.
+    /// Per model `[a, c]`: step latency a + c·batch in ms (empty: the models' step profiles).
+    #[serde(default)]
     pub latency_ms: Vec<[f64; 2]>,
     /// B*(N) is tabulated for N = 1..=max_requests.
     #[serde(default = "default_max_requests")]
@@ -256,6 +257,26 @@ pub struct ModelConfig {
     /// Fault injection for tests: panic in the forward pass every N steps (0 = never).
     #[serde(default)]
     pub fault_every_steps: u64,
+    /// A `tokenrouter bench engine --json` report measured for this model (same weights and
+    /// threads): its fitted step latency a + c·b seeds the online tuner and `tune` wherever
+    /// `[tuning] latency_ms` does not give one.
+    #[serde(default)]
+    pub step_profile: Option<PathBuf>,
+    /// `step_profile`'s fit `[a, c]` in ms, read when the config is parsed.
+    #[serde(skip)]
+    pub profiled_latency_ms: Option<[f64; 2]>,
+}
+
+/// The part of a `bench engine --json` report a step profile needs.
+#[derive(Deserialize)]
+struct StepProfile {
+    fit: StepProfileFit,
+}
+
+#[derive(Deserialize)]
+struct StepProfileFit {
+    a_ms: f64,
+    c_ms: f64,
 }
 
 fn default_batch_threshold() -> usize {
@@ -294,10 +315,22 @@ impl Config {
     }
 
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let config: Config =
+        let mut config: Config =
             toml::from_str(text).map_err(|e| ConfigError::Invalid(e.message().to_string()))?;
         config.validate()?;
+        for model in &mut config.models {
+            model.read_step_profile()?;
+        }
         Ok(config)
+    }
+
+    /// Model `i`'s step latency `[a, c]` ms for the tuner: `[tuning] latency_ms`, else the
+    /// model's step profile.
+    pub fn latency_prior_ms(&self, i: usize) -> Option<[f64; 2]> {
+        self.tuning
+            .as_ref()
+            .and_then(|t| t.latency_ms.get(i).copied())
+            .or(self.models.get(i)?.profiled_latency_ms)
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -334,9 +367,13 @@ impl Config {
         }
         if let Some(t) = &self.tuning {
             let m = self.models.len();
-            if t.routing.len() != m || t.commits.len() != m || t.latency_ms.len() != m {
+            let latency_rows_ok = t.latency_ms.len() == m
+                || (t.latency_ms.is_empty()
+                    && self.models.iter().all(|m| m.step_profile.is_some()));
+            if t.routing.len() != m || t.commits.len() != m || !latency_rows_ok {
                 return Err(ConfigError::Invalid(format!(
-                    "tuning: routing, commits and latency_ms need one row per model ({m})"
+                    "tuning: routing, commits and latency_ms need one row per model ({m}); \
+                     latency_ms may be left out when every model has a step_profile"
                 )));
             }
         }
@@ -447,6 +484,33 @@ impl Config {
 }
 
 impl ModelConfig {
+    fn read_step_profile(&mut self) -> Result<(), ConfigError> {
+        let Some(path) = &self.step_profile else {
+            return Ok(());
+        };
+        let invalid = |why: String| {
+            ConfigError::Invalid(format!(
+                "models.{}.step_profile: {}: {why}",
+                self.name,
+                path.display()
+            ))
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
+        let profile: StepProfile = serde_json::from_str(&text).map_err(|e| {
+            invalid(format!(
+                "not a `tokenrouter bench engine --json` report ({e})"
+            ))
+        })?;
+        let StepProfileFit { a_ms, c_ms } = profile.fit;
+        if !(a_ms.is_finite() && c_ms.is_finite() && a_ms >= 0.0 && c_ms >= 0.0) {
+            return Err(invalid(format!(
+                "fit a = {a_ms}, c = {c_ms} must be finite and >= 0"
+            )));
+        }
+        self.profiled_latency_ms = Some([a_ms, c_ms]);
+        Ok(())
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         let field = |f: &str, why: &str| {
             Err(ConfigError::Invalid(format!(

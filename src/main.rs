@@ -206,6 +206,13 @@ struct BenchEngineArgs {
     context: usize,
     #[arg(long, default_value_t = 512)]
     prefill_tokens: usize,
+    /// Threads for the model(s), overriding the config's `threads`.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Instead: step this model and MODEL at the same time, each on its own threads, and
+    /// report each one's step time against running alone.
+    #[arg(long, value_name = "OTHER_MODEL")]
+    concurrent_with: Option<String>,
     #[arg(long)]
     json: bool,
 }
@@ -373,15 +380,39 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     if args.batch.is_empty() || args.batch.contains(&0) || args.steps == 0 {
         anyhow::bail!("--batch needs positive sizes and --steps must be at least 1");
     }
+    if args.threads == Some(0) {
+        anyhow::bail!("--threads must be at least 1");
+    }
     let config = ready_config(&args.config)?;
-    let model = pick_model(&config, args.model.as_deref())?;
-    let mut executor = Executor::load(model)?;
+    let with_threads = |model: &ModelConfig| ModelConfig {
+        threads: args.threads.unwrap_or(model.threads),
+        ..model.clone()
+    };
+    let model = with_threads(pick_model(&config, args.model.as_deref())?);
+    let mut executor = Executor::load(&model)?;
     let settings = bench::engine::EngineBenchSettings {
         batches: args.batch,
         steps: args.steps,
         context: args.context,
         prefill_tokens: args.prefill_tokens.max(1),
     };
+    if let Some(other) = &args.concurrent_with {
+        let other = with_threads(pick_model(&config, Some(other))?);
+        let mut other_executor = Executor::load(&other)?;
+        let report = bench::engine::concurrent(
+            [
+                (&mut executor, model.threads),
+                (&mut other_executor, other.threads),
+            ],
+            &settings,
+        )?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print!("{}", report.markdown());
+        }
+        return Ok(());
+    }
     let weights = serde_json::to_value(model.weights)?;
     let weights = weights.as_str().unwrap_or("stored");
     let report = bench::engine::run(&mut executor, model.threads, weights, &settings)?;
@@ -593,10 +624,13 @@ fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
     let model = DtmcModel {
         routing: tuning.routing.clone(),
         commits: tuning.commits.clone(),
-        latency: tuning
-            .latency_ms
-            .iter()
-            .map(|&[a_ms, c_ms]| AffineLatency { a_ms, c_ms })
+        latency: (0..config.models.len())
+            .map(|i| {
+                let [a_ms, c_ms] = config
+                    .latency_prior_ms(i)
+                    .expect("config validation: latency_ms or a step_profile per model");
+                AffineLatency { a_ms, c_ms }
+            })
             .collect(),
         delta_ms: tuning.delta_ms,
         timeout_ms: vec![None; config.models.len()],

@@ -1,4 +1,6 @@
-//! The command-line contract (DESIGN §11) for commands that need no model weights.
+//! The command-line contract (DESIGN §11) for commands that need no downloaded weights.
+
+mod common;
 
 use std::process::Command;
 
@@ -134,4 +136,69 @@ fn bench_routing_on_the_simulated_pair_reports_every_mode_with_predictions_and_p
             "{plot}"
         );
     }
+}
+
+/// `bench engine --json` writes the step-latency fit; a config naming it as a model's
+/// `step_profile` feeds it to `tune` (no `[tuning] latency_ms`); the concurrent mode reports
+/// both models; a file that is not a report is refused with the field named.
+#[test]
+fn bench_engine_fit_feeds_tune_and_concurrent_mode_reports_both_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::server::write_tiny_config(dir.path(), 0.5);
+    let config_arg = config.to_str().unwrap();
+    let bench = |model: &str, extra: &[&str]| {
+        let mut args = vec!["bench", "engine", "--config", config_arg, "--model", model];
+        args.extend_from_slice(&["--batch", "1,2", "--steps", "2", "--prefill-tokens", "8"]);
+        args.extend_from_slice(extra);
+        args.push("--json");
+        let out = tokenrouter(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let mut profiles = Vec::new();
+    for model in ["large", "small"] {
+        let report = bench(model, &[]);
+        assert!(report["fit"]["c_ms"].as_f64().unwrap() >= 0.0, "{report}");
+        let path = dir.path().join(format!("{model}.json"));
+        std::fs::write(&path, report.to_string()).unwrap();
+        profiles.push(path);
+    }
+    let concurrent = bench("large", &["--concurrent-with", "small", "--threads", "1"]);
+    let rows = concurrent["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "two models × two batch sizes: {concurrent}");
+    assert!(rows.iter().all(|r| r["slowdown"].as_f64().unwrap() > 0.0));
+
+    let text = std::fs::read_to_string(&config).unwrap();
+    let with_profiles = |large: &std::path::Path| {
+        text.replacen(
+            "name = \"large\"",
+            &format!("name = \"large\"\nstep_profile = {:?}", large),
+            1,
+        )
+        .replacen(
+            "name = \"small\"",
+            &format!("name = \"small\"\nstep_profile = {:?}", profiles[1]),
+            1,
+        ) + "\n[tuning]\nrouting = [[0.0, 1.0], [0.25, 0.75]]\ncommits = [[0.0, 1.0], [0.0, 1.0]]\nmax_requests = 3\n"
+    };
+    let tune_config = dir.path().join("tune.toml");
+    std::fs::write(&tune_config, with_profiles(&profiles[0])).unwrap();
+    let out = tokenrouter(&["tune", "--config", tune_config.to_str().unwrap(), "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tuned: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(tuned["rows"].as_array().unwrap().len(), 3, "{tuned}");
+
+    std::fs::write(&tune_config, with_profiles(&config)).unwrap();
+    let out = tokenrouter(&["tune", "--config", tune_config.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("models.large.step_profile"), "{stderr}");
 }

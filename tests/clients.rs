@@ -76,7 +76,11 @@ fn the_openai_python_client_talks_to_the_real_pair() {
     eprintln!("{summary:#}");
     let results = summary["results"].as_array().unwrap();
     assert_eq!(results.len(), 5);
-    let answer = results[0]["chat"].as_str().unwrap();
+    // R-Stitch at its calibrated thresholds hands nearly every token to the LLM, so its
+    // answer is the LLM's; the layer-skip draft's own continuations change with any change
+    // in rounding, so they are not pinned.
+    let rstitch = results.iter().find(|r| r["policy"] == "rstitch").unwrap();
+    let answer = rstitch["chat"].as_str().unwrap();
     assert!(answer.contains("Tokyo"), "the real pair answers: {answer}");
 }
 

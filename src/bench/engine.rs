@@ -4,8 +4,9 @@
 use super::median;
 use crate::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
-use crate::tuning::online::fit_affine;
+use crate::tuning::online::fit_latency;
 use serde::Serialize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 #[derive(Debug, Clone, Serialize)]
@@ -53,6 +54,69 @@ fn filler(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
+    SeqWork {
+        seq,
+        tokens,
+        sampling: SamplingParams::greedy(),
+        needs: Needs::default(),
+    }
+}
+
+/// A ragged decode batch on one executor: sequences `0..batch`, row i with a context of
+/// `context + 3·i` tokens.
+struct DecodeBatch {
+    next: Vec<u32>,
+}
+
+impl DecodeBatch {
+    fn start(executor: &mut Executor, batch: usize, context: usize) -> EngineResult<Self> {
+        let vocab = executor.hyperparams().vocab;
+        let prompts: Vec<SeqWork> = (0..batch)
+            .map(|i| work(i as u64, filler(context + 3 * i, i, vocab)))
+            .collect();
+        let next = executor
+            .step(&prompts)?
+            .iter()
+            .map(|o| o.candidate)
+            .collect();
+        Ok(Self { next })
+    }
+
+    /// One decode step over every row; its wall time in ms.
+    fn step(&mut self, executor: &mut Executor) -> EngineResult<f64> {
+        let decode: Vec<SeqWork> = self
+            .next
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| work(i as u64, vec![t]))
+            .collect();
+        let start = Instant::now();
+        let out = executor.step(&decode)?;
+        let elapsed = start.elapsed().as_secs_f64() * 1e3;
+        self.next = out.iter().map(|o| o.candidate).collect();
+        Ok(elapsed)
+    }
+
+    /// Median step time over `steps` timed steps after two warm-up steps.
+    fn median_step_ms(&mut self, executor: &mut Executor, steps: usize) -> EngineResult<f64> {
+        let mut times = Vec::with_capacity(steps);
+        for step in 0..steps + 2 {
+            let elapsed = self.step(executor)?;
+            if step >= 2 {
+                times.push(elapsed);
+            }
+        }
+        Ok(median(&mut times))
+    }
+
+    fn finish(self, executor: &mut Executor) {
+        for i in 0..self.next.len() {
+            executor.free(i as u64);
+        }
+    }
+}
+
 pub fn run(
     executor: &mut Executor,
     threads: usize,
@@ -60,52 +124,22 @@ pub fn run(
     settings: &EngineBenchSettings,
 ) -> EngineResult<EngineBenchReport> {
     let vocab = executor.hyperparams().vocab;
-    let work = |seq: u64, tokens: Vec<u32>| SeqWork {
-        seq,
-        tokens,
-        sampling: SamplingParams::greedy(),
-        needs: Needs::default(),
-    };
     let mut rows = Vec::new();
     for &batch in &settings.batches {
-        let prompts: Vec<SeqWork> = (0..batch)
-            .map(|i| work(i as u64, filler(settings.context + 3 * i, i, vocab)))
-            .collect();
-        let mut next: Vec<u32> = executor
-            .step(&prompts)?
-            .iter()
-            .map(|o| o.candidate)
-            .collect();
-        let mut times = Vec::with_capacity(settings.steps);
-        for step in 0..settings.steps + 2 {
-            let decode: Vec<SeqWork> = next
-                .iter()
-                .enumerate()
-                .map(|(i, &t)| work(i as u64, vec![t]))
-                .collect();
-            let start = Instant::now();
-            let out = executor.step(&decode)?;
-            let elapsed = start.elapsed().as_secs_f64() * 1e3;
-            if step >= 2 {
-                times.push(elapsed);
-            }
-            next = out.iter().map(|o| o.candidate).collect();
-        }
-        for i in 0..batch {
-            executor.free(i as u64);
-        }
-        let step_ms = median(&mut times);
+        let mut decode = DecodeBatch::start(executor, batch, settings.context)?;
+        let step_ms = decode.median_step_ms(executor, settings.steps)?;
+        decode.finish(executor);
         rows.push(EngineBenchRow {
             batch,
             step_ms_median: step_ms,
             tokens_per_s: batch as f64 * 1e3 / step_ms,
         });
     }
-    let points: Vec<(f64, f64)> = rows
-        .iter()
-        .map(|r| (r.batch as f64, r.step_ms_median))
-        .collect();
-    let (a_ms, c_ms) = fit_affine(&points);
+    // The tuner's own fit (least squares, clamped to a, c ≥ 0), so the profile it reads back
+    // is the law it would have fitted online.
+    let samples: Vec<(usize, f64)> = rows.iter().map(|r| (r.batch, r.step_ms_median)).collect();
+    let fit = fit_latency(&samples, None).expect("at least one batch size");
+    let (a_ms, c_ms) = (fit.a_ms, fit.c_ms);
 
     let mut prefill_times = Vec::new();
     for round in 0..3 {
@@ -153,6 +187,91 @@ impl EngineBenchReport {
             self.prefill.ms_median,
             self.prefill.tokens_per_s
         );
+        out
+    }
+}
+
+/// One model's decode step time alone and while another model steps beside it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConcurrentRow {
+    pub model: String,
+    pub threads: usize,
+    pub batch: usize,
+    pub alone_ms_median: f64,
+    pub together_ms_median: f64,
+    /// together / alone.
+    pub slowdown: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ConcurrentReport {
+    pub rows: Vec<ConcurrentRow>,
+}
+
+/// Per batch size: each model's median step alone, then both stepping at once on their own
+/// threads (each keeps stepping until both have `steps` timed steps, so every timed step
+/// overlaps the other model's work).
+pub fn concurrent(
+    models: [(&mut Executor, usize); 2],
+    settings: &EngineBenchSettings,
+) -> EngineResult<ConcurrentReport> {
+    let [(a, a_threads), (b, b_threads)] = models;
+    let mut rows = Vec::new();
+    for &batch in &settings.batches {
+        let mut alone = [0f64; 2];
+        for (slot, executor) in alone.iter_mut().zip([&mut *a, &mut *b]) {
+            let mut decode = DecodeBatch::start(executor, batch, settings.context)?;
+            *slot = decode.median_step_ms(executor, settings.steps)?;
+            decode.finish(executor);
+        }
+        let finished = AtomicUsize::new(0);
+        let together = std::thread::scope(|scope| {
+            let handles = [&mut *a, &mut *b].map(|executor| {
+                let finished = &finished;
+                scope.spawn(move || -> EngineResult<f64> {
+                    let mut decode = DecodeBatch::start(executor, batch, settings.context)?;
+                    let mut times = Vec::new();
+                    while times.len() < settings.steps || finished.load(Ordering::SeqCst) < 2 {
+                        times.push(decode.step(executor)?);
+                        if times.len() == settings.steps {
+                            finished.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    decode.finish(executor);
+                    Ok(median(&mut times))
+                })
+            });
+            handles.map(|h| h.join().expect("a bench thread panicked"))
+        });
+        let [a_ms, b_ms] = together;
+        let together = [a_ms?, b_ms?];
+        for (i, (executor, threads)) in [(&*a, a_threads), (&*b, b_threads)].into_iter().enumerate()
+        {
+            let together_ms = together[i];
+            rows.push(ConcurrentRow {
+                model: executor.name().to_string(),
+                threads,
+                batch,
+                alone_ms_median: alone[i],
+                together_ms_median: together_ms,
+                slowdown: together_ms / alone[i],
+            });
+        }
+    }
+    Ok(ConcurrentReport { rows })
+}
+
+impl ConcurrentReport {
+    pub fn markdown(&self) -> String {
+        let mut out = String::from(
+            "| model | threads | batch | step ms alone | step ms beside the other | slowdown |\n|---|---:|---:|---:|---:|---:|\n",
+        );
+        for r in &self.rows {
+            out += &format!(
+                "| {} | {} | {} | {:.2} | {:.2} | {:.2}× |\n",
+                r.model, r.threads, r.batch, r.alone_ms_median, r.together_ms_median, r.slowdown
+            );
+        }
         out
     }
 }

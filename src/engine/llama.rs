@@ -4,9 +4,10 @@
 
 use super::kv::{KvStore, SeqId, SeqKv};
 use super::ops;
+use super::parallel;
+use super::qmatmul::QWeight;
 use super::weights::{LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
-use rayon::prelude::*;
 
 pub struct LlamaModel {
     pub weights: ModelWeights,
@@ -161,9 +162,7 @@ impl LlamaModel {
         let hp = &self.weights.hp;
         let rows = positions.len();
         let h = ops::rms_norm_rows(x, &w.attn_norm, hp.rms_eps);
-        let mut q = w.wq.matmul(&h, rows);
-        let mut k = w.wk.matmul(&h, rows);
-        let mut v = w.wv.matmul(&h, rows);
+        let [mut q, mut k, mut v] = QWeight::matmul_each([&w.wq, &w.wk, &w.wv], &h, rows);
         for (t, bias) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
             if let Some(bias) = bias {
                 ops::add_bias_rows(t, bias);
@@ -188,8 +187,7 @@ impl LlamaModel {
         ops::add_in_place(x, &w.wo.matmul(&attn, rows));
 
         let h = ops::rms_norm_rows(x, &w.ffn_norm, hp.rms_eps);
-        let mut gate = w.w_gate.matmul(&h, rows);
-        let up = w.w_up.matmul(&h, rows);
+        let [mut gate, up] = QWeight::matmul_each([&w.w_gate, &w.w_up], &h, rows);
         ops::silu_mul_in_place(&mut gate, &up);
         ops::add_in_place(x, &w.w_down.matmul(&gate, rows));
     }
@@ -238,35 +236,33 @@ impl LlamaModel {
         let tasks: Vec<(usize, usize)> = (0..segments.len())
             .flat_map(|s| (0..heads).map(move |h| (s, h)))
             .collect();
-        let per_task: Vec<Vec<f32>> = tasks
-            .par_iter()
-            .map(|&(s, head)| {
-                let seg = &segments[s];
-                let keys = &caches[s].keys[layer_idx];
-                let values = &caches[s].values[layer_idx];
-                let kv_off = (head / group) * hd;
-                let mut out = vec![0f32; seg.rows * hd];
-                let mut scores = Vec::with_capacity(seg.first_position + seg.rows);
-                for i in 0..seg.rows {
-                    let row = seg.first_row + i;
-                    let qh = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
-                    let visible = seg.first_position + i + 1;
-                    scores.clear();
-                    scores.extend((0..visible).map(|j| {
-                        ops::dot(qh, &keys[j * kv_dim + kv_off..j * kv_dim + kv_off + hd]) * scale
-                    }));
-                    ops::softmax_in_place(&mut scores);
-                    let o = &mut out[i * hd..(i + 1) * hd];
-                    for (j, &p) in scores.iter().enumerate() {
-                        let vj = &values[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
-                        for (od, vd) in o.iter_mut().zip(vj) {
-                            *od += p * vd;
-                        }
+        let per_task: Vec<Vec<f32>> = parallel::map_indices(tasks.len(), |task| {
+            let (s, head) = tasks[task];
+            let seg = &segments[s];
+            let keys = &caches[s].keys[layer_idx];
+            let values = &caches[s].values[layer_idx];
+            let kv_off = (head / group) * hd;
+            let mut out = vec![0f32; seg.rows * hd];
+            let mut scores = Vec::with_capacity(seg.first_position + seg.rows);
+            for i in 0..seg.rows {
+                let row = seg.first_row + i;
+                let qh = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
+                let visible = seg.first_position + i + 1;
+                scores.clear();
+                scores.extend((0..visible).map(|j| {
+                    ops::dot(qh, &keys[j * kv_dim + kv_off..j * kv_dim + kv_off + hd]) * scale
+                }));
+                ops::softmax_in_place(&mut scores);
+                let o = &mut out[i * hd..(i + 1) * hd];
+                for (j, &p) in scores.iter().enumerate() {
+                    let vj = &values[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
+                    for (od, vd) in o.iter_mut().zip(vj) {
+                        *od += p * vd;
                     }
                 }
-                out
-            })
-            .collect();
+            }
+            out
+        });
         let rows: usize = segments.iter().map(|s| s.rows).sum();
         let mut attn = vec![0f32; rows * q_dim];
         for (&(s, head), out) in tasks.iter().zip(per_task) {

@@ -5,6 +5,7 @@ pub mod chat;
 pub mod kv;
 pub mod llama;
 pub mod ops;
+pub mod parallel;
 pub mod qmatmul;
 pub mod sampling;
 pub mod simulated;
@@ -102,7 +103,8 @@ pub struct Executor {
     name: String,
     model: LlamaModel,
     kv: kv::KvStore,
-    pool: rayon::ThreadPool,
+    /// The model's own threads; `None` for one thread: steps run inline on the caller.
+    pool: Option<rayon::ThreadPool>,
 }
 
 /// Fails with a clear error where the binary's SIMD baseline is missing on this CPU.
@@ -132,13 +134,17 @@ impl Executor {
         threads: usize,
         kv_tokens: usize,
     ) -> EngineResult<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name({
-                let name = name.to_string();
-                move |i| format!("{name}-{i}")
+        let pool = (threads > 1)
+            .then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name({
+                        let name = name.to_string();
+                        move |i| format!("{name}-{i}")
+                    })
+                    .build()
             })
-            .build()
+            .transpose()
             .map_err(|e| EngineError::InvalidStep(format!("thread pool: {e}")))?;
         let model = LlamaModel::new(weights);
         let kv = kv::KvStore::new(model.layer_count(), model.kv_dim(), kv_tokens);
@@ -159,6 +165,44 @@ impl Executor {
     }
 }
 
+/// One forward pass, then each sequence's sampling and statistics (in parallel: a vocabulary-
+/// wide pass per sequence).
+fn step_on(
+    model: &LlamaModel,
+    kv: &mut kv::KvStore,
+    work: &[SeqWork],
+) -> EngineResult<Vec<StepOutput>> {
+    let batch: Vec<(SeqId, &[u32])> = work.iter().map(|w| (w.seq, w.tokens.as_slice())).collect();
+    let last = model.forward(kv, &batch)?;
+    let positions: Vec<usize> = work.iter().map(|w| kv.seq_len(w.seq)).collect();
+    let sampled = parallel::map_indices(work.len(), |i| {
+        let w = &work[i];
+        let candidate = sampling::sample(&last[i].logits, &w.sampling, positions[i]);
+        (
+            candidate,
+            sampling::logit_stats(&last[i].logits, w.needs.top_k),
+        )
+    });
+    Ok(work
+        .iter()
+        .zip(last)
+        .zip(sampled)
+        .zip(positions)
+        .map(|(((w, out), (candidate, stats)), position)| StepOutput {
+            seq: w.seq,
+            position,
+            candidate,
+            candidate_embedding: w
+                .needs
+                .embedding
+                .then(|| model.embedding_row(candidate).to_vec()),
+            stats,
+            hidden: w.needs.hidden.then_some(out.hidden),
+            logits: out.logits,
+        })
+        .collect())
+}
+
 impl StepExecutor for Executor {
     fn name(&self) -> &str {
         &self.name
@@ -176,32 +220,13 @@ impl StepExecutor for Executor {
         self.model.weights.hp.context
     }
 
-    /// Runs on this model's own thread pool.
+    /// Runs on this model's own thread pool, or inline with one thread.
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
-        let batch: Vec<(SeqId, &[u32])> =
-            work.iter().map(|w| (w.seq, w.tokens.as_slice())).collect();
         let (model, kv) = (&self.model, &mut self.kv);
-        let last = self.pool.install(|| model.forward(kv, &batch))?;
-        Ok(work
-            .iter()
-            .zip(last)
-            .map(|(w, out)| {
-                let position = self.kv.seq_len(w.seq);
-                let candidate = sampling::sample(&out.logits, &w.sampling, position);
-                StepOutput {
-                    seq: w.seq,
-                    position,
-                    candidate,
-                    candidate_embedding: w
-                        .needs
-                        .embedding
-                        .then(|| self.model.embedding_row(candidate).to_vec()),
-                    stats: sampling::logit_stats(&out.logits, w.needs.top_k),
-                    hidden: w.needs.hidden.then_some(out.hidden),
-                    logits: out.logits,
-                }
-            })
-            .collect())
+        match &self.pool {
+            Some(pool) => pool.install(|| step_on(model, kv, work)),
+            None => step_on(model, kv, work),
+        }
     }
 
     fn kv(&self) -> &kv::KvStore {

@@ -97,15 +97,14 @@ pub struct LogitStats {
 
 pub fn logit_stats(logits: &[f32], top_k: usize) -> LogitStats {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum_exp: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
-    let log_z = max + sum_exp.ln();
-    let entropy = -logits
-        .iter()
-        .map(|&l| {
-            let logp = l - log_z;
-            logp.exp() * logp
-        })
-        .sum::<f32>();
+    // One exp per logit: with e_i = exp(l_i - max) and Z' = Σe_i, the entropy
+    // −Σ p_i log p_i = log Z' − Σ e_i (l_i − max) / Z'.
+    let (sum_exp, weighted) = logits.iter().fold((0f32, 0f32), |(z, w), &l| {
+        let shifted = l - max;
+        let e = shifted.exp();
+        (z + e, w + e * shifted)
+    });
+    let entropy = sum_exp.ln() - weighted / sum_exp;
     let mut top: Vec<(u32, f32)> = Vec::new();
     if top_k > 0 {
         let mut all: Vec<(u32, f32)> = logits

@@ -251,8 +251,7 @@ impl Runtime {
                     timeout_ms: config.runtime.batch_timeout_ms as f64,
                     latency_prior: (0..config.models.len())
                         .map(|i| {
-                            let t = config.tuning.as_ref()?;
-                            let [a_ms, c_ms] = *t.latency_ms.get(i)?;
+                            let [a_ms, c_ms] = config.latency_prior_ms(i)?;
                             Some(AffineLatency { a_ms, c_ms })
                         })
                         .collect(),

@@ -1,0 +1,168 @@
+//! How a step's loops spread over threads. An executor with `threads > 1` runs its step inside
+//! its own rayon pool; one with a single thread runs it inline on the model's actor thread, so
+//! no pool thread exists to spin beside another model's (two spinning pools on two cores starve
+//! each other). The helpers below parallelise only when called from inside a pool.
+
+use rayon::prelude::*;
+use std::ops::Range;
+
+fn in_pool() -> bool {
+    rayon::current_thread_index().is_some()
+}
+
+/// Runs `f(chunk_index, chunk)` over `data` cut into chunks of `chunk_len`.
+pub fn for_each_chunk<T, F>(data: &mut [T], chunk_len: usize, f: F)
+where
+    T: Send,
+    F: Fn(usize, &mut [T]) + Sync + Send,
+{
+    if in_pool() {
+        data.par_chunks_mut(chunk_len)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    } else {
+        data.chunks_mut(chunk_len)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// `(0..count).map(f)`, collected in order.
+pub fn map_indices<T, F>(count: usize, f: F) -> Vec<T>
+where
+    T: Send,
+    F: Fn(usize) -> T + Sync + Send,
+{
+    if in_pool() {
+        (0..count).into_par_iter().map(f).collect()
+    } else {
+        (0..count).map(f).collect()
+    }
+}
+
+/// Fills row-major outputs (`outs[i]` is `[rows, n_out_i]`) by column ranges of at most
+/// `cols_per_task`, all outputs' ranges in one parallel region: `f(i, columns, buffer)` writes
+/// output `i`'s range column-major (`[columns, rows]`) into `buffer`, and the task scatters it
+/// into the output itself, so the transpose runs in parallel and in cache.
+pub fn fill_columns<F>(outs: &mut [Vec<f32>], rows: usize, cols_per_task: usize, f: F)
+where
+    F: Fn(usize, Range<usize>, &mut [f32]) + Sync + Send,
+{
+    if rows == 0 {
+        return;
+    }
+    let targets: Vec<(SharedColumns, usize)> = outs
+        .iter_mut()
+        .map(|out| (SharedColumns(out.as_mut_ptr()), out.len() / rows))
+        .collect();
+    let tasks: Vec<(usize, Range<usize>)> = targets
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &(_, n_out))| {
+            (0..n_out.div_ceil(cols_per_task))
+                .map(move |t| (i, t * cols_per_task..((t + 1) * cols_per_task).min(n_out)))
+        })
+        .collect();
+    let task = |t: usize| {
+        let (i, columns) = tasks[t].clone();
+        let (target, n_out) = &targets[i];
+        let mut buffer = vec![0f32; columns.len() * rows];
+        f(i, columns.clone(), &mut buffer);
+        for (c, column) in buffer.chunks_exact(rows).enumerate() {
+            for (r, &value) in column.iter().enumerate() {
+                // SAFETY: `r < rows` and `columns.start + c < n_out`, so the index is inside
+                // output `i`; tasks own disjoint column ranges, so no element is written
+                // twice, and the outputs are borrowed mutably for the whole call.
+                unsafe { target.write(r * n_out + columns.start + c, value) };
+            }
+        }
+    };
+    if in_pool() {
+        (0..tasks.len()).into_par_iter().for_each(task);
+    } else {
+        (0..tasks.len()).for_each(task);
+    }
+}
+
+/// `out`'s base pointer, shared by tasks that write disjoint columns.
+struct SharedColumns(*mut f32);
+// SAFETY: only `fill_columns` uses it, and its tasks write disjoint elements.
+unsafe impl Sync for SharedColumns {}
+
+impl SharedColumns {
+    /// # Safety
+    /// `index` is inside the buffer and no other thread touches that element meanwhile.
+    unsafe fn write(&self, index: usize, value: f32) {
+        *self.0.add(index) = value;
+    }
+}
+
+/// Chunks a pool of `threads` should cut `items` into: a few per thread (load balance), none
+/// smaller than `min_len` (scheduling cost).
+pub fn chunk_len(items: usize, threads: usize, min_len: usize) -> usize {
+    let chunks = (threads * 4).max(1);
+    items.div_ceil(chunks).max(min_len).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_and_pooled_runs_give_the_same_result() {
+        let run = || {
+            let mut data: Vec<usize> = (0..103).collect();
+            for_each_chunk(&mut data, 10, |i, c| {
+                c.iter_mut().for_each(|v| *v += i * 1000)
+            });
+            (data, map_indices(17, |i| i * i))
+        };
+        let inline = run();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        assert_eq!(pool.install(run), inline);
+        assert_eq!(inline.0[25], 2025);
+        assert_eq!(inline.1[4], 16);
+    }
+
+    #[test]
+    fn fill_columns_scatters_every_range_to_its_columns() {
+        let (rows, n_out) = (3, 10);
+        let run = || {
+            let mut outs = vec![vec![f32::NAN; rows * n_out], vec![f32::NAN; rows * 5]];
+            fill_columns(&mut outs, rows, 4, |i, columns, buffer| {
+                for (c, column) in columns.zip(buffer.chunks_mut(rows)) {
+                    for (r, v) in column.iter_mut().enumerate() {
+                        *v = (i * 1000 + r * 100 + c) as f32;
+                    }
+                }
+            });
+            outs
+        };
+        let inline = run();
+        let expected: Vec<Vec<f32>> = [n_out, 5]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                (0..rows)
+                    .flat_map(|r| (0..n).map(move |c| (i * 1000 + r * 100 + c) as f32))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(inline, expected);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        assert_eq!(pool.install(run), expected);
+    }
+
+    #[test]
+    fn chunk_len_balances_and_respects_the_minimum() {
+        assert_eq!(chunk_len(576, 2, 16), 72);
+        assert_eq!(chunk_len(40, 2, 16), 16);
+        assert_eq!(chunk_len(0, 1, 16), 16);
+    }
+}

@@ -1,0 +1,147 @@
+//! AVX2 + FMA tiles: one weight column against `R` activation rows. The column's blocks are
+//! decoded once and multiplied into all `R` rows with `maddubs` (u8 × i8 pairs → i16) and
+//! `madd` (→ i32), then scaled into per-row f32 lanes. Sums are exact in the integer part
+//! (|pair| ≤ 2 · 128 · 127 < 2¹⁵), and each row's lanes are reduced in one fixed order.
+//! Only the `R` accumulators live in the loop (the Q4 offsets are summed by the caller), so
+//! they stay in registers. CPUs with AVX-512 VNNI run the same tiles with `vpdpbusd` in place
+//! of `maddubs` + `madd`; the integer sums, and so the results, are identical.
+
+use super::activations::{QuantBlock, QuantizedRows};
+use std::arch::x86_64::*;
+
+/// Lanes 0..8 summed as ((0+4)+(2+6)) + ((1+5)+(3+7)), the same for every row.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn horizontal_sum(v: __m256) -> f32 {
+    let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+    _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
+}
+
+/// Rows `first_row..first_row + R` of `x` as raw pointers, bounds checked once.
+struct RowTile<'a, const R: usize> {
+    quants: *const QuantBlock,
+    scales: &'a [f32],
+    blocks: usize,
+}
+
+impl<'a, const R: usize> RowTile<'a, R> {
+    fn new(x: &'a QuantizedRows, first_row: usize, blocks: usize) -> Self {
+        assert!(first_row + R <= x.rows() && blocks == x.blocks_per_row());
+        Self {
+            // In bounds: rows first_row..first_row + R exist (asserted).
+            quants: x.quants()[first_row * blocks..].as_ptr(),
+            scales: &x.scales()[first_row * blocks..(first_row + R) * blocks],
+            blocks,
+        }
+    }
+
+    /// Block `b` of the tile's row `r`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load(&self, r: usize, b: usize) -> __m256i {
+        _mm256_load_si256(self.quants.add(r * self.blocks + b) as *const __m256i)
+    }
+
+    /// `block_scale` × the scale of block `b` of the tile's row `r`, in all lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scale(&self, block_scale: __m256, r: usize, b: usize, blocks: usize) -> __m256 {
+        debug_assert!(r * blocks + b < self.scales.len());
+        _mm256_mul_ps(
+            block_scale,
+            _mm256_broadcast_ss(self.scales.get_unchecked(r * blocks + b)),
+        )
+    }
+}
+
+/// The tile kernels for one instruction set: `$dot(unsigned, signed)` is the exact i32 sum of
+/// each group of four u8 × i8 products.
+macro_rules! tile_kernels {
+    ($module:ident, $features:literal, $dot:ident) => {
+        pub mod $module {
+            use super::*;
+
+            /// `out[i]` = column `w` · row `first_row + i`, for `i < R`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            pub unsafe fn q8_0_tile<const R: usize>(
+                quants: &[u8],
+                block_scales: &[f32],
+                x: &QuantizedRows,
+                first_row: usize,
+                out: &mut [f32],
+            ) {
+                let blocks = block_scales.len();
+                assert_eq!(quants.len(), blocks * 32);
+                let tile = RowTile::<R>::new(x, first_row, blocks);
+                let mut acc = [_mm256_setzero_ps(); R];
+                for (b, &scale) in block_scales.iter().enumerate() {
+                    let weights = _mm256_load_si256(quants.as_ptr().add(b * 32) as *const __m256i);
+                    let magnitudes = _mm256_sign_epi8(weights, weights);
+                    let scale = _mm256_set1_ps(scale);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let signed = _mm256_sign_epi8(tile.load(r, b), weights);
+                        let s = tile.scale(scale, r, b, blocks);
+                        let dot = $dot(magnitudes, signed);
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
+                    }
+                }
+                for (slot, acc) in out.iter_mut().zip(acc) {
+                    *slot = horizontal_sum(acc);
+                }
+            }
+
+            /// `out[i]` = Σ_b scale_b · (nibbles_b · row `first_row + i`), for `i < R` (Q4_0
+            /// and Q4_1; the caller adds the offset term).
+            #[inline]
+            #[target_feature(enable = $features)]
+            pub unsafe fn q4_tile<const R: usize>(
+                quants: &[u8],
+                block_scales: &[f32],
+                x: &QuantizedRows,
+                first_row: usize,
+                out: &mut [f32],
+            ) {
+                let blocks = block_scales.len();
+                assert_eq!(quants.len(), blocks * 16);
+                let tile = RowTile::<R>::new(x, first_row, blocks);
+                let low_mask = _mm_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); R];
+                for (b, &scale) in block_scales.iter().enumerate() {
+                    let packed = _mm_load_si128(quants.as_ptr().add(b * 16) as *const __m128i);
+                    let low = _mm_and_si128(packed, low_mask);
+                    let high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+                    let nibbles = _mm256_set_m128i(high, low);
+                    let scale = _mm256_set1_ps(scale);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let s = tile.scale(scale, r, b, blocks);
+                        let dot = $dot(nibbles, tile.load(r, b));
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
+                    }
+                }
+                for (slot, acc) in out.iter_mut().zip(acc) {
+                    *slot = horizontal_sum(acc);
+                }
+            }
+        }
+    };
+}
+
+/// `maddubs` (u8 × i8 pairs → i16; |pair| ≤ 2 · 128 · 127 < 2¹⁵, so never saturating) then
+/// `madd` against ones (→ i32).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn dot_avx2(unsigned: __m256i, signed: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), _mm256_set1_epi16(1))
+}
+
+/// AVX-512 VNNI's `vpdpbusd` on 256-bit registers: the same sums in one instruction.
+#[inline]
+#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+fn dot_vnni(unsigned: __m256i, signed: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned, signed)
+}
+
+tile_kernels!(avx2, "avx2,fma", dot_avx2);
+tile_kernels!(vnni, "avx2,fma,avx512vnni,avx512vl", dot_vnni);

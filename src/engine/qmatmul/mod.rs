@@ -1,0 +1,418 @@
+//! Weight matrices in their stored (often quantized) format and a row-independent batched
+//! matmul over them. Q8_0, Q4_0 and Q4_1 go through our integer kernels (`int8`), which read
+//! each weight block once per step for all rows; other formats use candle's per-row `vec_dot`.
+//! Either way every output element is computed in a fixed order from one activation row and
+//! one weight row, so a row's result never depends on its batch-mates: batched and unbatched
+//! greedy decoding agree exactly. Work is split over output columns (see `engine::parallel`).
+
+mod activations;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod int8;
+
+use super::parallel;
+use crate::config::WeightPrecision;
+use crate::error::{EngineError, EngineResult};
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, GgmlType,
+};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+pub use int8::Kernel;
+use int8::{Int8Format, PackedInt8};
+
+/// A `[n_out, k_in]` weight matrix, rows stored contiguously in their own block format.
+pub struct QWeight {
+    n_out: usize,
+    k_in: usize,
+    storage: Storage,
+}
+
+enum Storage {
+    /// Q8_0, Q4_0, Q4_1: repacked for our integer kernels.
+    Int8(PackedInt8),
+    /// Every other format, as candle's blocks.
+    Ggml(Blocks),
+}
+
+enum Blocks {
+    F32(Vec<f32>),
+    Q5_0(Vec<BlockQ5_0>),
+    Q5_1(Vec<BlockQ5_1>),
+    Q2K(Vec<BlockQ2K>),
+    Q3K(Vec<BlockQ3K>),
+    Q4K(Vec<BlockQ4K>),
+    Q5K(Vec<BlockQ5K>),
+    Q6K(Vec<BlockQ6K>),
+}
+
+/// Runs `$body` with `$v` bound to the typed block vector, whatever its format.
+macro_rules! with_blocks {
+    ($blocks:expr, $v:ident => $body:expr) => {
+        match $blocks {
+            Blocks::F32($v) => $body,
+            Blocks::Q5_0($v) => $body,
+            Blocks::Q5_1($v) => $body,
+            Blocks::Q2K($v) => $body,
+            Blocks::Q3K($v) => $body,
+            Blocks::Q4K($v) => $body,
+            Blocks::Q5K($v) => $body,
+            Blocks::Q6K($v) => $body,
+        }
+    };
+}
+
+impl QWeight {
+    /// Takes a 2-D tensor `[n_out, k_in]`; F16/BF16 are widened to F32 (no SIMD dot for them).
+    pub fn from_qtensor(name: &str, tensor: &QTensor) -> EngineResult<Self> {
+        let (n_out, k_in) = tensor.shape().dims2()?;
+        let tensor = match tensor.dtype() {
+            GgmlDType::F16 | GgmlDType::BF16 => {
+                QTensor::quantize(&tensor.dequantize(&Device::Cpu)?, GgmlDType::F32)?
+            }
+            _ => clone_qtensor(tensor)?,
+        };
+        let data = tensor.data()?;
+        let dtype = tensor.dtype();
+        let (block_size, type_size) = (dtype.block_size(), dtype.type_size());
+        if !k_in.is_multiple_of(block_size) || data.len() != n_out * k_in / block_size * type_size {
+            return Err(EngineError::InvalidModel {
+                path: name.into(),
+                message: format!("tensor `{name}` holds a truncated or misaligned block array"),
+            });
+        }
+        if let Some(format) = Int8Format::of(dtype) {
+            let packed = PackedInt8::from_ggml(format, &data, k_in / block_size);
+            return Ok(Self {
+                n_out,
+                k_in,
+                storage: Storage::Int8(packed),
+            });
+        }
+        let blocks = match dtype {
+            GgmlDType::F32 => Blocks::F32(typed(&data)),
+            GgmlDType::Q5_0 => Blocks::Q5_0(typed(&data)),
+            GgmlDType::Q5_1 => Blocks::Q5_1(typed(&data)),
+            GgmlDType::Q2K => Blocks::Q2K(typed(&data)),
+            GgmlDType::Q3K => Blocks::Q3K(typed(&data)),
+            GgmlDType::Q4K => Blocks::Q4K(typed(&data)),
+            GgmlDType::Q5K => Blocks::Q5K(typed(&data)),
+            GgmlDType::Q6K => Blocks::Q6K(typed(&data)),
+            other => {
+                return Err(EngineError::UnsupportedDType {
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        Ok(Self {
+            n_out,
+            k_in,
+            storage: Storage::Ggml(blocks),
+        })
+    }
+
+    /// Converts to the precision a model variant asks for (`stored` keeps the file's format).
+    pub fn requantize(self, name: &str, precision: WeightPrecision) -> EngineResult<Self> {
+        let target = match precision {
+            WeightPrecision::Stored => return Ok(self),
+            WeightPrecision::F32 => GgmlDType::F32,
+            WeightPrecision::Q8_0 => GgmlDType::Q8_0,
+            WeightPrecision::Q4_0 => GgmlDType::Q4_0,
+        };
+        if self.dtype() == target || !self.k_in.is_multiple_of(target.block_size()) {
+            return Ok(self);
+        }
+        let dense = candle_core::Tensor::from_vec(
+            self.dequantize(),
+            (self.n_out, self.k_in),
+            &Device::Cpu,
+        )?;
+        Self::from_qtensor(name, &QTensor::quantize(&dense, target)?)
+    }
+
+    pub fn n_out(&self) -> usize {
+        self.n_out
+    }
+
+    pub fn k_in(&self) -> usize {
+        self.k_in
+    }
+
+    pub fn dtype(&self) -> GgmlDType {
+        match &self.storage {
+            Storage::Int8(packed) => packed.format().dtype(),
+            Storage::Ggml(blocks) => with_blocks!(blocks, v => dtype_of(v)),
+        }
+    }
+
+    /// The weights as f32, row-major `[n_out, k_in]`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        match &self.storage {
+            Storage::Int8(packed) => packed.dequantize(),
+            Storage::Ggml(blocks) => {
+                let mut out = vec![0f32; self.n_out * self.k_in];
+                with_blocks!(blocks, v => to_float(v, &mut out));
+                out
+            }
+        }
+    }
+
+    /// `x [rows, k_in]` × Wᵀ → `[rows, n_out]`, each row computed independently.
+    pub fn matmul(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        self.matmul_with(Kernel::detect(), x, rows)
+    }
+
+    /// `matmul` on a chosen integer kernel (tests run every kernel the CPU has).
+    pub fn matmul_with(&self, kernel: Kernel, x: &[f32], rows: usize) -> Vec<f32> {
+        let [out] = Self::matmul_each_with(kernel, [self], x, rows);
+        out
+    }
+
+    /// `x × Wᵢᵀ` for several weights reading one input (q/k/v; gate/up): the input is
+    /// quantized once and all their columns run in one parallel region.
+    pub fn matmul_each<const N: usize>(
+        weights: [&Self; N],
+        x: &[f32],
+        rows: usize,
+    ) -> [Vec<f32>; N] {
+        Self::matmul_each_with(Kernel::detect(), weights, x, rows)
+    }
+
+    fn matmul_each_with<const N: usize>(
+        kernel: Kernel,
+        weights: [&Self; N],
+        x: &[f32],
+        rows: usize,
+    ) -> [Vec<f32>; N] {
+        let k_in = weights.first().map_or(0, |w| w.k_in);
+        assert!(
+            weights.iter().all(|w| w.k_in == k_in) && x.len() == rows * k_in,
+            "matmul input has the wrong length"
+        );
+        let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; rows * w.n_out]).collect();
+        let cols_per_task = weights
+            .iter()
+            .map(|w| w.columns_per_task())
+            .max()
+            .unwrap_or(1);
+        let int8: Option<Vec<&PackedInt8>> = weights.iter().map(|w| w.int8_weights()).collect();
+        match int8 {
+            Some(int8) => {
+                let x = activations::QuantizedRows::quantize(x, rows);
+                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, columns, buffer| {
+                    int8::columns(kernel, int8[i], &x, columns.start, buffer)
+                });
+            }
+            None => {
+                for (w, out) in weights.iter().zip(&mut outs) {
+                    match &w.storage {
+                        Storage::Int8(_) => *out = w.matmul_with(kernel, x, rows),
+                        Storage::Ggml(blocks) => {
+                            with_blocks!(blocks, v => w.generic_matmul(v, x, rows, out))
+                        }
+                    }
+                }
+            }
+        }
+        outs.try_into().expect("one output per weight")
+    }
+
+    /// Candle's `vec_dot` per (row, column), for the formats without an integer kernel.
+    fn generic_matmul<T: GgmlType>(
+        &self,
+        weight: &[T],
+        x: &[f32],
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let row_blocks = self.k_in / T::BLCK_SIZE;
+        let mut x_quant: Vec<T::VecDotType> = (0..rows * row_blocks)
+            .map(|_| T::VecDotType::zeros())
+            .collect();
+        for (dst, src) in x_quant.chunks_mut(row_blocks).zip(x.chunks(self.k_in)) {
+            T::VecDotType::from_float(src, dst);
+        }
+        let outs = std::slice::from_mut(out);
+        parallel::fill_columns(outs, rows, self.columns_per_task(), |_, columns, buffer| {
+            for (column, out) in columns.zip(buffer.chunks_mut(rows)) {
+                let w = &weight[column * row_blocks..(column + 1) * row_blocks];
+                for (row, slot) in out.iter_mut().enumerate() {
+                    let xq = &x_quant[row * row_blocks..(row + 1) * row_blocks];
+                    *slot = T::vec_dot(self.k_in, w, xq);
+                }
+            }
+        });
+    }
+
+    fn int8_weights(&self) -> Option<&PackedInt8> {
+        match &self.storage {
+            Storage::Int8(packed) => Some(packed),
+            Storage::Ggml(_) => None,
+        }
+    }
+
+    fn columns_per_task(&self) -> usize {
+        parallel::chunk_len(
+            self.n_out,
+            rayon::current_num_threads(),
+            MIN_COLUMNS_PER_TASK,
+        )
+    }
+}
+
+fn dtype_of<T: GgmlType>(_: &[T]) -> GgmlDType {
+    T::DTYPE
+}
+
+fn to_float<T: GgmlType>(blocks: &[T], out: &mut [f32]) {
+    T::to_float(blocks, out)
+}
+
+fn clone_qtensor(tensor: &QTensor) -> EngineResult<QTensor> {
+    let storage =
+        candle_core::quantized::QStorage::from_data(tensor.data()?, &Device::Cpu, tensor.dtype())?;
+    Ok(QTensor::new(storage, tensor.shape().clone())?)
+}
+
+/// Copies raw little-endian block bytes into a properly aligned typed vector.
+fn typed<T: GgmlType>(bytes: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    let count = bytes.len() / size;
+    let mut out: Vec<T> = (0..count).map(|_| T::zeros()).collect();
+    // SAFETY: block types are `repr(C)` plain data (integers and halfs); any byte pattern is a
+    // valid value, and `out` has room for exactly `count * size` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, count * size);
+    }
+    out
+}
+
+/// Columns handed to one task at least: enough work to amortise scheduling.
+const MIN_COLUMNS_PER_TASK: usize = 16;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Tensor;
+
+    fn random(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
+        (0..len)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    fn weight(dtype: GgmlDType, n: usize, k: usize) -> (QWeight, Vec<f32>) {
+        let dense = Tensor::from_vec(random(n * k, 7), (n, k), &Device::Cpu).unwrap();
+        let q = QWeight::from_qtensor("w", &QTensor::quantize(&dense, dtype).unwrap()).unwrap();
+        let reference = q.dequantize();
+        (q, reference)
+    }
+
+    /// Odd shapes: 37 columns (not a multiple of a task's columns), 3 blocks per row, and row
+    /// counts that exercise every tile size and the 64-row chunking.
+    #[test]
+    fn every_kernel_matches_the_dequantized_reference_per_format() {
+        let (n, k) = (37, 96);
+        for rows in [1, 3, 13, 70] {
+            let x = random(rows * k, 3 + rows as u64);
+            for (dtype, tolerance) in [
+                (GgmlDType::F32, 1e-4),
+                (GgmlDType::Q8_0, 0.03),
+                (GgmlDType::Q4_0, 0.03),
+                (GgmlDType::Q4_1, 0.03),
+            ] {
+                let (w, dense) = weight(dtype, n, k);
+                for kernel in Kernel::available() {
+                    let got = w.matmul_with(kernel, &x, rows);
+                    for r in 0..rows {
+                        for c in 0..n {
+                            let want: f32 = (0..k).map(|i| x[r * k + i] * dense[c * k + i]).sum();
+                            let diff = (got[r * n + c] - want).abs();
+                            assert!(
+                                diff < tolerance,
+                                "{dtype:?} {kernel:?} rows={rows} ({r},{c}): {} vs {want}",
+                                got[r * n + c]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The SIMD kernels do the portable kernels' integer arithmetic: they differ only in the
+    /// order f32 partial sums are added.
+    #[test]
+    fn simd_and_portable_kernels_agree_closely() {
+        let (n, k, rows) = (19, 160, 11);
+        let x = random(rows * k, 5);
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
+            let (w, _) = weight(dtype, n, k);
+            let portable = w.matmul_with(Kernel::Portable, &x, rows);
+            for kernel in Kernel::available() {
+                let got = w.matmul_with(kernel, &x, rows);
+                for (a, b) in got.iter().zip(&portable) {
+                    assert!((a - b).abs() < 1e-5, "{dtype:?} {kernel:?}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_batch_mates_or_threads() {
+        let (n, k, rows) = (70, 128, 13);
+        let x = random(rows * k, 11);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for dtype in [
+            GgmlDType::F32,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q6K,
+        ] {
+            let k = if dtype == GgmlDType::Q6K { 256 } else { k };
+            let x = &x[..rows * k.min(128)].repeat(k / k.min(128));
+            let (w, _) = weight(dtype, n, k);
+            for kernel in Kernel::available() {
+                let batched = w.matmul_with(kernel, x, rows);
+                let pooled = pool.install(|| w.matmul_with(kernel, x, rows));
+                assert_eq!(
+                    batched, pooled,
+                    "{dtype:?} {kernel:?}: threads changed results"
+                );
+                for r in 0..rows {
+                    let alone = w.matmul_with(kernel, &x[r * k..(r + 1) * k], 1);
+                    assert_eq!(
+                        &batched[r * n..(r + 1) * n],
+                        &alone[..],
+                        "{dtype:?} {kernel:?} row {r}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn requantize_changes_format_and_stays_close() {
+        let (w, dense) = weight(GgmlDType::F32, 8, 64);
+        let q = w.requantize("w", WeightPrecision::Q8_0).unwrap();
+        assert_eq!(q.dtype(), GgmlDType::Q8_0);
+        let back = q.dequantize();
+        let max_err = dense
+            .iter()
+            .zip(&back)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(max_err < 0.01, "max error {max_err}");
+    }
+}
