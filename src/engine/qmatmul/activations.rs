@@ -16,7 +16,8 @@ pub struct QuantizedRows {
     quants: Vec<QuantBlock>,
     /// Per block: x ≈ scale · q.
     scales: Vec<f32>,
-    /// Per block: scale · Σq, the block's sum (for weight formats with an offset).
+    /// Per block: scale · Σq, the block's sum (for weight formats with an offset); each row
+    /// zero-padded to `padded_blocks(blocks_per_row)` so SIMD reads whole lanes.
     scaled_sums: Vec<f32>,
 }
 
@@ -31,8 +32,11 @@ impl QuantizedRows {
         let blocks = x.len() / BLOCK;
         let mut quants = vec![QuantBlock([0; BLOCK]); blocks];
         let mut scales = Vec::with_capacity(blocks);
-        let mut scaled_sums = Vec::with_capacity(blocks);
-        for (src, QuantBlock(dst)) in x.chunks_exact(BLOCK).zip(quants.iter_mut()) {
+        let blocks_per_row = k / BLOCK;
+        let sum_stride = padded_blocks(blocks_per_row);
+        let mut scaled_sums = vec![0f32; rows * sum_stride];
+        for (i, (src, QuantBlock(dst))) in x.chunks_exact(BLOCK).zip(quants.iter_mut()).enumerate()
+        {
             let amax = max_abs(src);
             let scale = amax / 127.0;
             let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
@@ -42,11 +46,12 @@ impl QuantizedRows {
                 sum += *q as i32;
             }
             scales.push(scale);
-            scaled_sums.push(scale * sum as f32);
+            let (row, block) = (i / blocks_per_row, i % blocks_per_row);
+            scaled_sums[row * sum_stride + block] = scale * sum as f32;
         }
         Self {
             rows,
-            blocks_per_row: k / BLOCK,
+            blocks_per_row,
             quants,
             scales,
             scaled_sums,
@@ -71,10 +76,12 @@ impl QuantizedRows {
         &self.scales
     }
 
-    /// Row `row`'s per-block scale · Σq, `[blocks_per_row]`.
+    /// Row `row`'s per-block scale · Σq, `[padded_blocks(blocks_per_row)]` (zeros after the
+    /// last block).
     #[inline(always)]
     pub fn row_scaled_sums(&self, row: usize) -> &[f32] {
-        &self.scaled_sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
+        let stride = padded_blocks(self.blocks_per_row);
+        &self.scaled_sums[row * stride..(row + 1) * stride]
     }
 
     #[inline(always)]
@@ -86,6 +93,11 @@ impl QuantizedRows {
     pub fn scale(&self, row: usize, block: usize) -> f32 {
         self.scales[row * self.blocks_per_row + block]
     }
+}
+
+/// Blocks rounded up to whole groups of eight (one f32 SIMD register).
+pub fn padded_blocks(blocks: usize) -> usize {
+    blocks.next_multiple_of(8)
 }
 
 /// Largest |v| of a block, in eight lanes (vectorises to `vmaxps`).

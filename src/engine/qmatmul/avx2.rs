@@ -6,7 +6,7 @@
 //! they stay in registers. CPUs with AVX-512 VNNI run the same tiles with `vpdpbusd` in place
 //! of `maddubs` + `madd`; the integer sums, and so the results, are identical.
 
-use super::activations::{QuantBlock, QuantizedRows};
+use super::activations::{padded_blocks, QuantBlock, QuantizedRows};
 use std::arch::x86_64::*;
 
 /// Lanes 0..8 summed as ((0+4)+(2+6)) + ((1+5)+(3+7)), the same for every row.
@@ -92,19 +92,22 @@ macro_rules! tile_kernels {
                 }
             }
 
-            /// `out[i]` = Σ_b scale_b · (nibbles_b · row `first_row + i`), for `i < R` (Q4_0
-            /// and Q4_1; the caller adds the offset term).
+            /// `out[i]` = Σ_b scale_b · (nibbles_b · row `first_row + i`) + Σ_b offset_b ·
+            /// scale_x · Σq_x, for `i < R` (Q4_0 and Q4_1; `offsets` zero-padded to whole
+            /// registers, like the rows' block sums).
             #[inline]
             #[target_feature(enable = $features)]
             pub unsafe fn q4_tile<const R: usize>(
                 quants: &[u8],
                 block_scales: &[f32],
+                offsets: &[f32],
                 x: &QuantizedRows,
                 first_row: usize,
                 out: &mut [f32],
             ) {
                 let blocks = block_scales.len();
                 assert_eq!(quants.len(), blocks * 16);
+                assert_eq!(offsets.len(), padded_blocks(blocks));
                 let tile = RowTile::<R>::new(x, first_row, blocks);
                 let low_mask = _mm_set1_epi8(0x0F);
                 let mut acc = [_mm256_setzero_ps(); R];
@@ -118,6 +121,13 @@ macro_rules! tile_kernels {
                         let s = tile.scale(scale, r, b, blocks);
                         let dot = $dot(nibbles, tile.load(r, b));
                         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
+                    }
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let sums = x.row_scaled_sums(first_row + r);
+                    for (o, s) in offsets.chunks_exact(8).zip(sums.chunks_exact(8)) {
+                        let (o, s) = (_mm256_loadu_ps(o.as_ptr()), _mm256_loadu_ps(s.as_ptr()));
+                        *acc = _mm256_fmadd_ps(o, s, *acc);
                     }
                 }
                 for (slot, acc) in out.iter_mut().zip(acc) {

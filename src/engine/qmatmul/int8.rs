@@ -3,10 +3,9 @@
 //! reads the weights once rather than B times. Every row keeps its own accumulators and the
 //! same operation sequence whatever its tile, so results never depend on batch-mates.
 
-use super::activations::{QuantizedRows, BLOCK};
+use super::activations::{padded_blocks, QuantizedRows, BLOCK};
 #[cfg(target_arch = "x86_64")]
 use super::avx2::{avx2, vnni};
-use crate::engine::ops;
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
@@ -226,7 +225,7 @@ pub fn columns(
     let nb = x.blocks_per_row();
     let cols = out.len() / rows;
     let mut scales = vec![0f32; nb];
-    let mut offsets = vec![0f32; nb];
+    let mut offsets = vec![0f32; padded_blocks(nb)];
     for chunk_start in (0..rows).step_by(ROW_CHUNK) {
         let chunk_end = (chunk_start + ROW_CHUNK).min(rows);
         for c in 0..cols {
@@ -237,10 +236,7 @@ pub fn columns(
             match weights.format() {
                 Int8Format::Q8_0 => q8_0_rows(kernel, quants, &scales, x, chunk_start, out),
                 Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                    q4_rows(kernel, quants, &scales, x, chunk_start, out);
-                    for (i, slot) in out.iter_mut().enumerate() {
-                        *slot += ops::dot(&offsets, x.row_scaled_sums(chunk_start + i));
-                    }
+                    q4_rows(kernel, quants, &scales, &offsets, x, chunk_start, out)
                 }
             }
         }
@@ -290,12 +286,13 @@ fn q8_0_rows(
     }
 }
 
-/// Σ_b scale_b · (nibbles_b · row) per row; the caller adds the offset term
-/// Σ_b offset_b · scale_x · Σq_x, the same for every kernel.
+/// Σ_b scale_b · (nibbles_b · row) + Σ_b offset_b · scale_x · Σq_x per row (`offsets`
+/// zero-padded to `padded_blocks`).
 fn q4_rows(
     kernel: Kernel,
     quants: &[u8],
     scales: &[f32],
+    offsets: &[f32],
     x: &QuantizedRows,
     first_row: usize,
     out: &mut [f32],
@@ -303,13 +300,17 @@ fn q4_rows(
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available` lists a SIMD kernel only where its features were detected.
-        Kernel::Avx512Vnni => unsafe { tiled!(out, first_row, vnni::q4_tile[](quants, scales, x)) },
+        Kernel::Avx512Vnni => unsafe {
+            tiled!(out, first_row, vnni::q4_tile[](quants, scales, offsets, x))
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Kernel::Avx2 => unsafe { tiled!(out, first_row, avx2::q4_tile[](quants, scales, x)) },
+        Kernel::Avx2 => unsafe {
+            tiled!(out, first_row, avx2::q4_tile[](quants, scales, offsets, x))
+        },
         Kernel::Portable => {
             for (i, slot) in out.iter_mut().enumerate() {
-                *slot = q4_dot_portable(quants, scales, x, first_row + i);
+                *slot = q4_dot_portable(quants, scales, offsets, x, first_row + i);
             }
         }
     }
@@ -328,8 +329,17 @@ fn q8_0_dot_portable(quants: &[u8], scales: &[f32], x: &QuantizedRows, row: usiz
     acc
 }
 
-fn q4_dot_portable(quants: &[u8], scales: &[f32], x: &QuantizedRows, row: usize) -> f32 {
+fn q4_dot_portable(
+    quants: &[u8],
+    scales: &[f32],
+    offsets: &[f32],
+    x: &QuantizedRows,
+    row: usize,
+) -> f32 {
     let mut acc = 0f32;
+    for (o, s) in offsets.iter().zip(x.row_scaled_sums(row)) {
+        acc += o * s;
+    }
     for (b, (block, scale)) in quants.chunks_exact(BLOCK / 2).zip(scales).enumerate() {
         let (low, high) = x.block(row, b).split_at(BLOCK / 2);
         let dot: i32 = block
