@@ -262,9 +262,6 @@ pub struct ModelConfig {
     /// `[tuning] latency_ms` does not give one.
     #[serde(default)]
     pub step_profile: Option<PathBuf>,
-    /// `step_profile`'s fit `[a, c]` in ms, read when the config is parsed.
-    #[serde(skip)]
-    pub profiled_latency_ms: Option<[f64; 2]>,
 }
 
 /// The part of a `bench engine --json` report a step profile needs.
@@ -315,22 +312,24 @@ impl Config {
     }
 
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let mut config: Config =
+        let config: Config =
             toml::from_str(text).map_err(|e| ConfigError::Invalid(e.message().to_string()))?;
         config.validate()?;
-        for model in &mut config.models {
-            model.read_step_profile()?;
-        }
         Ok(config)
     }
 
-    /// Model `i`'s step latency `[a, c]` ms for the tuner: `[tuning] latency_ms`, else the
-    /// model's step profile.
-    pub fn latency_prior_ms(&self, i: usize) -> Option<[f64; 2]> {
-        self.tuning
-            .as_ref()
-            .and_then(|t| t.latency_ms.get(i).copied())
-            .or(self.models.get(i)?.profiled_latency_ms)
+    /// Each model's step latency `[a, c]` ms for the tuner: `[tuning] latency_ms`, else the
+    /// model's step profile (read now, so that re-measuring a profile never needs the old one).
+    pub fn latency_priors_ms(&self) -> Result<Vec<Option<[f64; 2]>>, ConfigError> {
+        let configured = self.tuning.as_ref().map(|t| t.latency_ms.as_slice());
+        self.models
+            .iter()
+            .enumerate()
+            .map(|(i, model)| match configured.and_then(|c| c.get(i)) {
+                Some(&latency) => Ok(Some(latency)),
+                None => model.read_step_profile(),
+            })
+            .collect()
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -484,9 +483,9 @@ impl Config {
 }
 
 impl ModelConfig {
-    fn read_step_profile(&mut self) -> Result<(), ConfigError> {
+    fn read_step_profile(&self) -> Result<Option<[f64; 2]>, ConfigError> {
         let Some(path) = &self.step_profile else {
-            return Ok(());
+            return Ok(None);
         };
         let invalid = |why: String| {
             ConfigError::Invalid(format!(
@@ -507,8 +506,7 @@ impl ModelConfig {
                 "fit a = {a_ms}, c = {c_ms} must be finite and >= 0"
             )));
         }
-        self.profiled_latency_ms = Some([a_ms, c_ms]);
-        Ok(())
+        Ok(Some([a_ms, c_ms]))
     }
 
     fn validate(&self) -> Result<(), ConfigError> {

@@ -624,11 +624,11 @@ fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
     let model = DtmcModel {
         routing: tuning.routing.clone(),
         commits: tuning.commits.clone(),
-        latency: (0..config.models.len())
-            .map(|i| {
-                let [a_ms, c_ms] = config
-                    .latency_prior_ms(i)
-                    .expect("config validation: latency_ms or a step_profile per model");
+        latency: config
+            .latency_priors_ms()?
+            .into_iter()
+            .map(|p| {
+                let [a_ms, c_ms] = p.expect("validated: latency_ms or a step_profile per model");
                 AffineLatency { a_ms, c_ms }
             })
             .collect(),

@@ -173,6 +173,7 @@ pub struct Runtime {
 impl Runtime {
     /// Loads every configured model and starts its actors. `mode` overrides the config's.
     pub fn start(config: &Config, mode: Option<ExecutionMode>) -> Result<Self, RuntimeError> {
+        let latency_priors = config.latency_priors_ms()?;
         let mode = mode.unwrap_or(config.runtime.mode);
         let tokenizer = match config
             .models
@@ -249,11 +250,9 @@ impl Runtime {
                     interval: Duration::from_millis(config.runtime.retune_interval_ms),
                     max_requests: config.runtime.retune_max_requests.max(1),
                     timeout_ms: config.runtime.batch_timeout_ms as f64,
-                    latency_prior: (0..config.models.len())
-                        .map(|i| {
-                            let [a_ms, c_ms] = config.latency_prior_ms(i)?;
-                            Some(AffineLatency { a_ms, c_ms })
-                        })
+                    latency_prior: latency_priors
+                        .iter()
+                        .map(|p| p.map(|[a_ms, c_ms]| AffineLatency { a_ms, c_ms }))
                         .collect(),
                 };
                 let (stats, live, batchers) = (stats.clone(), live.clone(), batchers.clone());

@@ -386,7 +386,6 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         batch_threshold: 1,
         fault_every_steps: 0,
         step_profile: None,
-        profiled_latency_ms: None,
     }
 }
 
