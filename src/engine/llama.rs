@@ -220,6 +220,8 @@ impl LlamaModel {
     }
 
     /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`.
+    /// One task per (sequence, KV head) serves that KV head's whole query group, so each key
+    /// and value row is read once per group; per head the arithmetic is the same as alone.
     fn attention(
         &self,
         layer_idx: usize,
@@ -234,30 +236,42 @@ impl LlamaModel {
         let kv_dim = self.kv_dim();
         let scale = 1.0 / (hd as f32).sqrt();
         let tasks: Vec<(usize, usize)> = (0..segments.len())
-            .flat_map(|s| (0..heads).map(move |h| (s, h)))
+            .flat_map(|s| (0..hp.kv_heads).map(move |kv_head| (s, kv_head)))
             .collect();
+        // Per task `[rows, group, hd]`.
         let per_task: Vec<Vec<f32>> = parallel::map_indices(tasks.len(), |task| {
-            let (s, head) = tasks[task];
+            let (s, kv_head) = tasks[task];
             let seg = &segments[s];
             let keys = &caches[s].keys[layer_idx];
             let values = &caches[s].values[layer_idx];
-            let kv_off = (head / group) * hd;
-            let mut out = vec![0f32; seg.rows * hd];
-            let mut scores = Vec::with_capacity(seg.first_position + seg.rows);
+            let kv_off = kv_head * hd;
+            let first_head = kv_head * group;
+            let mut out = vec![0f32; seg.rows * group * hd];
+            let mut scores = vec![0f32; group * (seg.first_position + seg.rows)];
             for i in 0..seg.rows {
                 let row = seg.first_row + i;
-                let qh = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
                 let visible = seg.first_position + i + 1;
-                scores.clear();
-                scores.extend((0..visible).map(|j| {
-                    ops::dot(qh, &keys[j * kv_dim + kv_off..j * kv_dim + kv_off + hd]) * scale
-                }));
-                ops::softmax_in_place(&mut scores);
-                let o = &mut out[i * hd..(i + 1) * hd];
-                for (j, &p) in scores.iter().enumerate() {
-                    let vj = &values[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
-                    for (od, vd) in o.iter_mut().zip(vj) {
-                        *od += p * vd;
+                let query = |g: usize| {
+                    let start = row * q_dim + (first_head + g) * hd;
+                    &q[start..start + hd]
+                };
+                for j in 0..visible {
+                    let key = &keys[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
+                    for g in 0..group {
+                        scores[g * visible + j] = ops::dot(query(g), key) * scale;
+                    }
+                }
+                for head_scores in scores[..group * visible].chunks_mut(visible) {
+                    ops::softmax_in_place(head_scores);
+                }
+                let o = &mut out[i * group * hd..(i + 1) * group * hd];
+                for j in 0..visible {
+                    let value = &values[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
+                    for (g, head_out) in o.chunks_mut(hd).enumerate() {
+                        let p = scores[g * visible + j];
+                        for (od, vd) in head_out.iter_mut().zip(value) {
+                            *od += p * vd;
+                        }
                     }
                 }
             }
@@ -265,11 +279,12 @@ impl LlamaModel {
         });
         let rows: usize = segments.iter().map(|s| s.rows).sum();
         let mut attn = vec![0f32; rows * q_dim];
-        for (&(s, head), out) in tasks.iter().zip(per_task) {
-            let seg = &segments[s];
-            for (i, o) in out.chunks(hd).enumerate() {
-                let row = seg.first_row + i;
-                attn[row * q_dim + head * hd..row * q_dim + (head + 1) * hd].copy_from_slice(o);
+        for (&(s, kv_head), out) in tasks.iter().zip(per_task) {
+            let row_span = group * hd;
+            let first = kv_head * row_span;
+            for (i, o) in out.chunks(row_span).enumerate() {
+                let row = segments[s].first_row + i;
+                attn[row * q_dim + first..row * q_dim + first + row_span].copy_from_slice(o);
             }
         }
         attn

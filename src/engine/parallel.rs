@@ -68,12 +68,14 @@ where
         let (target, n_out) = &targets[i];
         let mut buffer = vec![0f32; columns.len() * rows];
         f(i, columns.clone(), &mut buffer);
-        for (c, column) in buffer.chunks_exact(rows).enumerate() {
-            for (r, &value) in column.iter().enumerate() {
+        // Row by row, so the stores to the (large) output run along its rows; the strided
+        // reads stay in the task's small buffer.
+        for r in 0..rows {
+            for c in 0..columns.len() {
                 // SAFETY: `r < rows` and `columns.start + c < n_out`, so the index is inside
                 // output `i`; tasks own disjoint column ranges, so no element is written
                 // twice, and the outputs are borrowed mutably for the whole call.
-                unsafe { target.write(r * n_out + columns.start + c, value) };
+                unsafe { target.write(r * n_out + columns.start + c, buffer[c * rows + r]) };
             }
         }
     };
