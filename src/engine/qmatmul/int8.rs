@@ -205,6 +205,44 @@ impl Kernel {
     }
 }
 
+/// Cuts `out.len()` rows starting at `first_row` into tiles of 8, 4, 2 and 1 and calls
+/// `module::tile::<TILE>(args.., row, tile_out)` with the tile size as a constant (so the
+/// tile's accumulators live in registers).
+macro_rules! tiled {
+    ($out:ident, $first_row:ident, $module:ident::$tile:ident($($arg:expr),*)) => {{
+        let mut done = 0;
+        while done < $out.len() {
+            let (row, tile) = ($first_row + done, &mut $out[done..]);
+            done += match tile.len() {
+                8.. => { $module::$tile::<8>($($arg,)* row, tile); 8 }
+                4.. => { $module::$tile::<4>($($arg,)* row, tile); 4 }
+                2.. => { $module::$tile::<2>($($arg,)* row, tile); 2 }
+                _ => { $module::$tile::<1>($($arg,)* row, tile); 1 }
+            };
+        }
+    }};
+}
+
+/// Fills `out` (rows `first_row..`) with the chosen kernel: the SIMD module's `$tile` over
+/// row tiles, or `$portable(args.., row)` row by row.
+macro_rules! run_kernel {
+    ($kernel:expr, $out:ident, $first_row:ident, $tile:ident($($arg:expr),*), $portable:ident) => {
+        match $kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `available` lists a SIMD kernel only where its features were detected.
+            Kernel::Avx512Vnni => unsafe { tiled!($out, $first_row, vnni::$tile($($arg),*)) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Kernel::Avx2 => unsafe { tiled!($out, $first_row, avx2::$tile($($arg),*)) },
+            Kernel::Portable => {
+                for (i, slot) in $out.iter_mut().enumerate() {
+                    *slot = $portable($($arg,)* $first_row + i);
+                }
+            }
+        }
+    };
+}
+
 /// Rows handled per pass over a column range: their quants stay in L1/L2 while the columns'
 /// weights stream past.
 const ROW_CHUNK: usize = 64;
@@ -234,83 +272,25 @@ pub fn columns(
             weights.decode_column(col, &mut scales, &mut offsets);
             let quants = weights.column_quants(col);
             match weights.format() {
-                Int8Format::Q8_0 => q8_0_rows(kernel, quants, &scales, x, chunk_start, out),
-                Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                    q4_rows(kernel, quants, &scales, &offsets, x, chunk_start, out)
+                Int8Format::Q8_0 => {
+                    run_kernel!(
+                        kernel,
+                        out,
+                        chunk_start,
+                        q8_0_tile(quants, &scales, x),
+                        q8_0_dot_portable
+                    )
                 }
-            }
-        }
-    }
-}
-
-/// Cuts `out.len()` rows starting at `first_row` into tiles of 8, 4, 2 and 1 and calls
-/// `kernel::<types.., TILE>(args.., row, tile_out)` with the tile size as a constant (so the
-/// tile's accumulators live in registers).
-macro_rules! tiled {
-    ($out:ident, $first_row:ident, $module:ident::$kernel:ident [$($ty:ty),*] ($($arg:expr),*)) => {{
-        let mut done = 0;
-        while done < $out.len() {
-            let (row, tile) = ($first_row + done, &mut $out[done..]);
-            done += match tile.len() {
-                8.. => { $module::$kernel::<$($ty,)* 8>($($arg,)* row, tile); 8 }
-                4.. => { $module::$kernel::<$($ty,)* 4>($($arg,)* row, tile); 4 }
-                2.. => { $module::$kernel::<$($ty,)* 2>($($arg,)* row, tile); 2 }
-                _ => { $module::$kernel::<$($ty,)* 1>($($arg,)* row, tile); 1 }
-            };
-        }
-    }};
-}
-
-fn q8_0_rows(
-    kernel: Kernel,
-    quants: &[u8],
-    scales: &[f32],
-    x: &QuantizedRows,
-    first_row: usize,
-    out: &mut [f32],
-) {
-    match kernel {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `available` lists a SIMD kernel only where its features were detected.
-        Kernel::Avx512Vnni => unsafe {
-            tiled!(out, first_row, vnni::q8_0_tile[](quants, scales, x))
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Kernel::Avx2 => unsafe { tiled!(out, first_row, avx2::q8_0_tile[](quants, scales, x)) },
-        Kernel::Portable => {
-            for (i, slot) in out.iter_mut().enumerate() {
-                *slot = q8_0_dot_portable(quants, scales, x, first_row + i);
-            }
-        }
-    }
-}
-
-/// Σ_b scale_b · (nibbles_b · row) + Σ_b offset_b · scale_x · Σq_x per row (`offsets`
-/// zero-padded to `padded_blocks`).
-fn q4_rows(
-    kernel: Kernel,
-    quants: &[u8],
-    scales: &[f32],
-    offsets: &[f32],
-    x: &QuantizedRows,
-    first_row: usize,
-    out: &mut [f32],
-) {
-    match kernel {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `available` lists a SIMD kernel only where its features were detected.
-        Kernel::Avx512Vnni => unsafe {
-            tiled!(out, first_row, vnni::q4_tile[](quants, scales, offsets, x))
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Kernel::Avx2 => unsafe {
-            tiled!(out, first_row, avx2::q4_tile[](quants, scales, offsets, x))
-        },
-        Kernel::Portable => {
-            for (i, slot) in out.iter_mut().enumerate() {
-                *slot = q4_dot_portable(quants, scales, offsets, x, first_row + i);
+                // Σ_b scale_b · (nibbles_b · row) + Σ_b offset_b · scale_x · Σq_x per row.
+                Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                    run_kernel!(
+                        kernel,
+                        out,
+                        chunk_start,
+                        q4_tile(quants, &scales, &offsets, x),
+                        q4_dot_portable
+                    )
+                }
             }
         }
     }
