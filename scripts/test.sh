@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The whole test suite, as README's quick start and .ci/run call it: fetches the real model
-# and the real clients the server tests drive (no-ops when present), checks formatting and
-# lints, then runs every test.
+# The whole test suite, as README's quick start and .ci/run call it: fetches the real model,
+# the real clients the server tests drive and NVRTC (no-ops when present), checks formatting
+# and lints (with and without the `cuda` feature), then runs every test, and the GPU backend's
+# tests with `--features cuda` (kernel sources compile with NVRTC; GPU tests skip without one).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/fetch-model.sh
 bash scripts/install-test-clients.sh
-export TOKENROUTER_REQUIRE_MODEL=1 TOKENROUTER_REQUIRE_CLIENTS=1
+NVRTC_LIB="$(bash scripts/install-nvrtc.sh)"
+export TOKENROUTER_REQUIRE_MODEL=1 TOKENROUTER_REQUIRE_CLIENTS=1 TOKENROUTER_REQUIRE_NVRTC=1
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
+cargo clippy --features cuda --all-targets -- -D warnings
+cargo build --features cuda
 cargo test --all-targets
+LD_LIBRARY_PATH="${NVRTC_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --features cuda --test cuda

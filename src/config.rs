@@ -242,6 +242,9 @@ pub struct ModelConfig {
     /// Size of this model's own compute thread pool.
     #[serde(default = "default_threads")]
     pub threads: usize,
+    /// Where the model runs: `"cpu"` or `"cuda:N"` (GPU N, in a build with `--features cuda`).
+    #[serde(default)]
+    pub device: ModelDevice,
     /// KV cache budget in tokens (summed over all sequences this model holds).
     #[serde(default = "default_kv_tokens")]
     pub kv_tokens: usize,
@@ -289,6 +292,50 @@ pub enum WeightPrecision {
     F32,
     Q8_0,
     Q4_0,
+}
+
+/// The processor a model's executor runs on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub enum ModelDevice {
+    #[default]
+    Cpu,
+    /// A CUDA GPU by ordinal.
+    Cuda(usize),
+}
+
+impl TryFrom<String> for ModelDevice {
+    type Error = String;
+
+    fn try_from(value: String) -> Result<Self, Self::Error> {
+        value.parse()
+    }
+}
+
+impl std::str::FromStr for ModelDevice {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        let invalid = || format!("device `{value}` is not \"cpu\" or \"cuda:N\" (N a GPU ordinal)");
+        match value {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => value
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(invalid),
+        }
+    }
+}
+
+impl std::fmt::Display for ModelDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
 }
 
 fn default_threads() -> usize {
@@ -630,6 +677,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("weights") || err.contains("variant"), "{err}");
+    }
+
+    #[test]
+    fn device_parses_cpu_and_cuda_ordinals_and_rejects_the_rest() {
+        let device = |d: &str| {
+            Config::parse(&format!(
+                "[[models]]\nname = \"m\"\npath = \"a\"\ndevice = \"{d}\"\n"
+            ))
+            .map(|c| c.models[0].device)
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(device("cpu"), Ok(ModelDevice::Cpu));
+        assert_eq!(device("cuda:1"), Ok(ModelDevice::Cuda(1)));
+        assert_eq!(device("cuda"), Ok(ModelDevice::Cuda(0)));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1"] {
+            let err = device(bad).unwrap_err();
+            assert!(err.contains("device") && err.contains(bad), "{err}");
+        }
+        let default = Config::parse("[[models]]\nname = \"m\"\npath = \"a\"\n").unwrap();
+        assert_eq!(default.models[0].device, ModelDevice::Cpu);
     }
 
     #[test]

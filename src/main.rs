@@ -8,7 +8,7 @@ use tokenrouter::bench;
 use tokenrouter::config::{Config, ExecutionMode, ModelConfig, DEFAULT_CONFIG_PATH};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{weights, Executor, SamplingParams};
+use tokenrouter::engine::{load_executor, weights, SamplingParams};
 use tokenrouter::fetch;
 use tokenrouter::runtime::{GenerateRequest, Runtime};
 
@@ -118,6 +118,8 @@ enum BenchCommand {
     Engine(BenchEngineArgs),
     /// Greedy agreement and step-cost ratio of a model against a reference model.
     Pair(BenchPairArgs),
+    /// One model on the CPU and on another device: greedy tokens from fixed prompts must match.
+    Parity(BenchParityArgs),
     /// Closed-loop clients through the runtime, per policy, mode and concurrency.
     Routing(BenchRoutingArgs),
     /// Load a running server over HTTP: disconnects, policy swaps; nothing may hang or leak.
@@ -183,6 +185,9 @@ struct BenchRoutingArgs {
     /// Repetitions; modes are interleaved within each round.
     #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// Device for every model (`cpu` or `cuda:N`), overriding the config's `device`.
+    #[arg(long)]
+    device: Option<tokenrouter::config::ModelDevice>,
     #[arg(long)]
     json: bool,
     /// Write SVG plots into this directory.
@@ -209,6 +214,9 @@ struct BenchEngineArgs {
     /// Threads for the model(s), overriding the config's `threads`.
     #[arg(long)]
     threads: Option<usize>,
+    /// Device for the model(s) (`cpu` or `cuda:N`), overriding the config's `device`.
+    #[arg(long)]
+    device: Option<tokenrouter::config::ModelDevice>,
     /// Instead: step this model and MODEL at the same time, each on its own threads, and
     /// report each one's step time against running alone.
     #[arg(long, value_name = "OTHER_MODEL")]
@@ -229,6 +237,23 @@ struct BenchPairArgs {
     reference: Option<String>,
     /// Generated positions per prompt.
     #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchParityArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// The model; the first in the config if absent.
+    #[arg(long)]
+    model: Option<String>,
+    /// The device compared with the CPU.
+    #[arg(long)]
+    device: tokenrouter::config::ModelDevice,
+    /// Generated tokens per prompt.
+    #[arg(long, default_value_t = 64)]
     tokens: usize,
     #[arg(long)]
     json: bool,
@@ -256,6 +281,7 @@ fn main() {
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
+        Command::Bench(BenchCommand::Parity(args)) => run_bench_parity(args),
         Command::Bench(BenchCommand::Routing(args)) => run_bench_routing(args),
         Command::Bench(BenchCommand::Load(args)) => run_bench_load(args),
         Command::Models(ModelsCommand::List { config, json }) => run_models_list(&config, json),
@@ -384,12 +410,13 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         anyhow::bail!("--threads must be at least 1");
     }
     let config = ready_config(&args.config)?;
-    let with_threads = |model: &ModelConfig| ModelConfig {
+    let with_overrides = |model: &ModelConfig| ModelConfig {
         threads: args.threads.unwrap_or(model.threads),
+        device: args.device.unwrap_or(model.device),
         ..model.clone()
     };
-    let model = with_threads(pick_model(&config, args.model.as_deref())?);
-    let mut executor = Executor::load(&model)?;
+    let model = with_overrides(pick_model(&config, args.model.as_deref())?);
+    let mut executor = load_executor(&model)?;
     let settings = bench::engine::EngineBenchSettings {
         batches: args.batch,
         steps: args.steps,
@@ -397,12 +424,12 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         prefill_tokens: args.prefill_tokens.max(1),
     };
     if let Some(other) = &args.concurrent_with {
-        let other = with_threads(pick_model(&config, Some(other))?);
-        let mut other_executor = Executor::load(&other)?;
+        let other = with_overrides(pick_model(&config, Some(other))?);
+        let mut other_executor = load_executor(&other)?;
         let report = bench::engine::concurrent(
             [
-                (&mut executor, model.threads),
-                (&mut other_executor, other.threads),
+                (executor.as_mut(), model.threads),
+                (other_executor.as_mut(), other.threads),
             ],
             &settings,
         )?;
@@ -415,7 +442,7 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     }
     let weights = serde_json::to_value(model.weights)?;
     let weights = weights.as_str().unwrap_or("stored");
-    let report = bench::engine::run(&mut executor, model.threads, weights, &settings)?;
+    let report = bench::engine::run(executor.as_mut(), model.threads, weights, &settings)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -440,11 +467,11 @@ fn run_bench_pair(args: BenchPairArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?
     };
     let tokenizer = ModelTokenizer::load(&reference_cfg.path)?;
-    let mut reference = Executor::load(reference_cfg)?;
+    let mut reference = load_executor(reference_cfg)?;
     let mut reports = Vec::new();
     for candidate in candidates {
-        let mut model = Executor::load(candidate)?;
-        let report = bench::pair::run(&mut model, &mut reference, &tokenizer, args.tokens)?;
+        let mut model = load_executor(candidate)?;
+        let report = bench::pair::run(model.as_mut(), reference.as_mut(), &tokenizer, args.tokens)?;
         if !args.json {
             println!(
                 "{:<28} agreement {:>5.1}% over {} positions; step {:.2} ms vs {:.2} ms (cost ratio {:.2})",
@@ -460,6 +487,32 @@ fn run_bench_pair(args: BenchPairArgs) -> anyhow::Result<()> {
     }
     if args.json {
         println!("{}", serde_json::to_string(&reports)?);
+    }
+    Ok(())
+}
+
+fn run_bench_parity(args: BenchParityArgs) -> anyhow::Result<()> {
+    if args.tokens == 0 {
+        anyhow::bail!("--tokens must be at least 1");
+    }
+    let config = ready_config(&args.config)?;
+    let model = pick_model(&config, args.model.as_deref())?;
+    let on = |device| ModelConfig {
+        name: format!("{}@{device}", model.name),
+        device,
+        ..model.clone()
+    };
+    let tokenizer = ModelTokenizer::load(&model.path)?;
+    let mut cpu = load_executor(&on(tokenrouter::config::ModelDevice::Cpu))?;
+    let mut other = load_executor(&on(args.device))?;
+    let report = bench::parity::run(cpu.as_mut(), other.as_mut(), &tokenizer, args.tokens)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.markdown());
+    }
+    if !report.all_match {
+        anyhow::bail!("{} on {} does not match the CPU", model.name, args.device);
     }
     Ok(())
 }
@@ -489,7 +542,12 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
             Some((name.to_string(), values))
         }
     };
-    let config = ready_config(&args.config)?;
+    let mut config = ready_config(&args.config)?;
+    if let Some(device) = args.device {
+        for model in &mut config.models {
+            model.device = device;
+        }
+    }
     let reference = args
         .reference
         .unwrap_or_else(|| config.models[0].name.clone());

@@ -202,3 +202,39 @@ fn bench_engine_fit_feeds_tune_and_concurrent_mode_reports_both_models() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("models.large.step_profile"), "{stderr}");
 }
+
+/// `bench parity` decodes the fixed prompts on the CPU and on `--device`; CPU against CPU must
+/// match token for token, and a device this build cannot use is a clear error.
+#[test]
+fn bench_parity_compares_devices_and_names_a_device_it_cannot_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::server::write_tiny_config(dir.path(), 0.5);
+    let config_arg = config.to_str().unwrap();
+    let parity = |device: &str| {
+        tokenrouter(&[
+            "bench", "parity", "--config", config_arg, "--model", "large", "--device", device,
+            "--tokens", "6", "--json",
+        ])
+    };
+    let out = parity("cpu");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["all_match"], true, "{report}");
+    assert_eq!(report["prompts"].as_array().unwrap().len(), 3, "{report}");
+    assert_eq!(report["candidate"], "large@cpu");
+
+    let out = parity("cuda:7");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--features cuda") || stderr.contains("cuda:7"),
+        "{stderr}"
+    );
+    let out = parity("gpu");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("device `gpu`"));
+}

@@ -415,3 +415,26 @@ fn loading_errors_are_clear() {
         "{err}"
     );
 }
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_cuda_device_without_the_cuda_feature_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::Q8_0,
+    );
+    let config = tokenrouter::config::ModelConfig {
+        device: tokenrouter::config::ModelDevice::Cuda(0),
+        ..common::model_config("tiny", &path)
+    };
+    let err = tokenrouter::engine::load_executor(&config)
+        .err()
+        .expect("a CPU-only build cannot load onto a GPU")
+        .to_string();
+    assert!(
+        err.contains("`tiny`") && err.contains("cuda:0") && err.contains("--features cuda"),
+        "{err}"
+    );
+}

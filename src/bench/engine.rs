@@ -2,7 +2,7 @@
 //! Each batch row mixes sequences of different context lengths (a ragged batch).
 
 use super::median;
-use crate::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
+use crate::engine::{Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
 use crate::tuning::online::fit_latency;
 use serde::Serialize;
@@ -70,8 +70,8 @@ struct DecodeBatch {
 }
 
 impl DecodeBatch {
-    fn start(executor: &mut Executor, batch: usize, context: usize) -> EngineResult<Self> {
-        let vocab = executor.hyperparams().vocab;
+    fn start(executor: &mut dyn StepExecutor, batch: usize, context: usize) -> EngineResult<Self> {
+        let vocab = executor.vocab_size();
         let prompts: Vec<SeqWork> = (0..batch)
             .map(|i| work(i as u64, filler(context + 3 * i, i, vocab)))
             .collect();
@@ -84,7 +84,7 @@ impl DecodeBatch {
     }
 
     /// One decode step over every row; its wall time in ms.
-    fn step(&mut self, executor: &mut Executor) -> EngineResult<f64> {
+    fn step(&mut self, executor: &mut dyn StepExecutor) -> EngineResult<f64> {
         let decode: Vec<SeqWork> = self
             .next
             .iter()
@@ -99,7 +99,11 @@ impl DecodeBatch {
     }
 
     /// Median step time over `steps` timed steps after two warm-up steps.
-    fn median_step_ms(&mut self, executor: &mut Executor, steps: usize) -> EngineResult<f64> {
+    fn median_step_ms(
+        &mut self,
+        executor: &mut dyn StepExecutor,
+        steps: usize,
+    ) -> EngineResult<f64> {
         let mut times = Vec::with_capacity(steps);
         for step in 0..steps + 2 {
             let elapsed = self.step(executor)?;
@@ -110,7 +114,7 @@ impl DecodeBatch {
         Ok(median(&mut times))
     }
 
-    fn finish(self, executor: &mut Executor) {
+    fn finish(self, executor: &mut dyn StepExecutor) {
         for i in 0..self.next.len() {
             executor.free(i as u64);
         }
@@ -118,12 +122,12 @@ impl DecodeBatch {
 }
 
 pub fn run(
-    executor: &mut Executor,
+    executor: &mut dyn StepExecutor,
     threads: usize,
     weights: &str,
     settings: &EngineBenchSettings,
 ) -> EngineResult<EngineBenchReport> {
-    let vocab = executor.hyperparams().vocab;
+    let vocab = executor.vocab_size();
     let mut rows = Vec::new();
     for &batch in &settings.batches {
         let mut decode = DecodeBatch::start(executor, batch, settings.context)?;
@@ -212,7 +216,7 @@ pub struct ConcurrentReport {
 /// threads (each keeps stepping until both have `steps` timed steps, so every timed step
 /// overlaps the other model's work).
 pub fn concurrent(
-    models: [(&mut Executor, usize); 2],
+    models: [(&mut dyn StepExecutor, usize); 2],
     settings: &EngineBenchSettings,
 ) -> EngineResult<ConcurrentReport> {
     let [(a, a_threads), (b, b_threads)] = models;

@@ -4,6 +4,7 @@
 pub mod engine;
 pub mod load;
 pub mod pair;
+pub mod parity;
 pub mod plots;
 pub mod prompts;
 pub mod routing;

@@ -6,7 +6,7 @@
 use super::median;
 use super::prompts::PROMPTS;
 use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
+use crate::engine::{Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
 use serde::Serialize;
 use std::time::Instant;
@@ -22,7 +22,11 @@ pub struct PairReport {
     pub cost_ratio: f64,
 }
 
-fn step_one(executor: &mut Executor, seq: u64, tokens: Vec<u32>) -> EngineResult<(u32, f64)> {
+fn step_one(
+    executor: &mut dyn StepExecutor,
+    seq: u64,
+    tokens: Vec<u32>,
+) -> EngineResult<(u32, f64)> {
     let start = Instant::now();
     let out = executor.step(&[SeqWork {
         seq,
@@ -34,8 +38,8 @@ fn step_one(executor: &mut Executor, seq: u64, tokens: Vec<u32>) -> EngineResult
 }
 
 pub fn run(
-    model: &mut Executor,
-    reference: &mut Executor,
+    model: &mut dyn StepExecutor,
+    reference: &mut dyn StepExecutor,
     tokenizer: &ModelTokenizer,
     continuation: usize,
 ) -> EngineResult<PairReport> {

@@ -6,7 +6,7 @@ use super::kv::{KvStore, SeqId, SeqKv};
 use super::ops;
 use super::parallel;
 use super::qmatmul::QWeight;
-use super::weights::{LayerWeights, ModelWeights};
+use super::weights::{Hyperparams, LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
 
 pub struct LlamaModel {
@@ -24,24 +24,72 @@ pub struct LastPosition {
 }
 
 /// Where one sequence's rows sit in the step's row matrix.
-struct Segment {
-    first_row: usize,
-    rows: usize,
-    first_position: usize,
+pub struct Segment {
+    pub first_row: usize,
+    pub rows: usize,
+    pub first_position: usize,
+}
+
+/// Inverse rope frequency per pair of head dimensions (with Llama 3.1's divisors if any).
+pub fn inverse_frequencies(weights: &ModelWeights) -> Vec<f32> {
+    let hp = &weights.hp;
+    (0..hp.head_dim / 2)
+        .map(|i| {
+            let base = 1f32 / hp.rope_theta.powf((2 * i) as f32 / hp.head_dim as f32);
+            match &weights.rope_freq_divisors {
+                Some(div) => base / div[i],
+                None => base,
+            }
+        })
+        .collect()
+}
+
+/// Checks a step's batch against the model and the KV it holds, and lays its sequences out as
+/// consecutive row segments. Touches nothing: every backend calls this before reserving KV.
+pub fn plan_step(
+    hp: &Hyperparams,
+    kv: &KvStore,
+    batch: &[(SeqId, &[u32])],
+) -> EngineResult<Vec<Segment>> {
+    let mut segments = Vec::with_capacity(batch.len());
+    let mut total_rows = 0;
+    for (i, &(seq, tokens)) in batch.iter().enumerate() {
+        if tokens.is_empty() {
+            return Err(EngineError::InvalidStep(format!(
+                "sequence {seq} has no tokens"
+            )));
+        }
+        if batch[..i].iter().any(|&(other, _)| other == seq) {
+            return Err(EngineError::InvalidStep(format!(
+                "sequence {seq} appears twice"
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= hp.vocab) {
+            return Err(EngineError::InvalidStep(format!(
+                "token {bad} is outside the vocabulary of {}",
+                hp.vocab
+            )));
+        }
+        let first_position = kv.seq_len(seq);
+        if first_position + tokens.len() > hp.context {
+            return Err(EngineError::ContextOverflow {
+                position: first_position + tokens.len(),
+                context: hp.context,
+            });
+        }
+        segments.push(Segment {
+            first_row: total_rows,
+            rows: tokens.len(),
+            first_position,
+        });
+        total_rows += tokens.len();
+    }
+    Ok(segments)
 }
 
 impl LlamaModel {
     pub fn new(weights: ModelWeights) -> Self {
-        let hp = &weights.hp;
-        let inv_freq = (0..hp.head_dim / 2)
-            .map(|i| {
-                let base = 1f32 / hp.rope_theta.powf((2 * i) as f32 / hp.head_dim as f32);
-                match &weights.rope_freq_divisors {
-                    Some(div) => base / div[i],
-                    None => base,
-                }
-            })
-            .collect();
+        let inv_freq = inverse_frequencies(&weights);
         Self { weights, inv_freq }
     }
 
@@ -61,39 +109,7 @@ impl LlamaModel {
         batch: &[(SeqId, &[u32])],
     ) -> EngineResult<Vec<LastPosition>> {
         let hp = &self.weights.hp;
-        let mut segments = Vec::with_capacity(batch.len());
-        let mut total_rows = 0;
-        for (i, &(seq, tokens)) in batch.iter().enumerate() {
-            if tokens.is_empty() {
-                return Err(EngineError::InvalidStep(format!(
-                    "sequence {seq} has no tokens"
-                )));
-            }
-            if batch[..i].iter().any(|&(other, _)| other == seq) {
-                return Err(EngineError::InvalidStep(format!(
-                    "sequence {seq} appears twice"
-                )));
-            }
-            if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= hp.vocab) {
-                return Err(EngineError::InvalidStep(format!(
-                    "token {bad} is outside the vocabulary of {}",
-                    hp.vocab
-                )));
-            }
-            let first_position = kv.seq_len(seq);
-            if first_position + tokens.len() > hp.context {
-                return Err(EngineError::ContextOverflow {
-                    position: first_position + tokens.len(),
-                    context: hp.context,
-                });
-            }
-            segments.push(Segment {
-                first_row: total_rows,
-                rows: tokens.len(),
-                first_position,
-            });
-            total_rows += tokens.len();
-        }
+        let segments = plan_step(hp, kv, batch)?;
         let reservations: Vec<(SeqId, usize)> =
             batch.iter().map(|&(seq, t)| (seq, t.len())).collect();
         kv.reserve(&reservations)?;

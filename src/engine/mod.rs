@@ -2,6 +2,8 @@
 //! thread pool and runs ragged batched steps.
 
 pub mod chat;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod kv;
 pub mod llama;
 pub mod ops;
@@ -12,7 +14,7 @@ pub mod simulated;
 pub mod tokenizer;
 pub mod weights;
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, ModelDevice};
 use crate::error::{EngineError, EngineResult};
 pub use kv::{KvUsage, SeqId};
 use llama::LlamaModel;
@@ -96,6 +98,21 @@ pub trait StepExecutor: Send {
 
     fn kv_usage(&self) -> KvUsage {
         self.kv().usage()
+    }
+}
+
+/// The executor a model entry asks for: on the CPU, or on a CUDA GPU (`device = "cuda:N"`).
+pub fn load_executor(config: &ModelConfig) -> EngineResult<Box<dyn StepExecutor>> {
+    match config.device {
+        ModelDevice::Cpu => Ok(Box::new(Executor::load(config)?)),
+        #[cfg(feature = "cuda")]
+        ModelDevice::Cuda(ordinal) => Ok(Box::new(cuda::CudaExecutor::load(config, ordinal)?)),
+        #[cfg(not(feature = "cuda"))]
+        ModelDevice::Cuda(_) => Err(EngineError::Gpu(format!(
+            "model `{}` asks for device = \"{}\", but this binary was built without the `cuda` \
+             feature (rebuild with `cargo build --release --features cuda`)",
+            config.name, config.device
+        ))),
     }
 }
 

@@ -36,11 +36,16 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
     }
+
+    /// Whether the draw is the largest logit whatever the seed (greedy, or top-k of one).
+    pub fn picks_argmax(&self) -> bool {
+        self.is_greedy() || self.top_k == 1
+    }
 }
 
 /// Draws the next token for a sequence whose candidate will sit at `position`.
 pub fn sample(logits: &[f32], params: &SamplingParams, position: usize) -> u32 {
-    if params.is_greedy() || params.top_k == 1 {
+    if params.picks_argmax() {
         return ops::argmax(logits) as u32;
     }
     let mut candidates: Vec<(u32, f32)> = logits
@@ -97,33 +102,42 @@ pub struct LogitStats {
 
 pub fn logit_stats(logits: &[f32], top_k: usize) -> LogitStats {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // One exp per logit: with e_i = exp(l_i - max) and Z' = Σe_i, the entropy
-    // −Σ p_i log p_i = log Z' − Σ e_i (l_i − max) / Z'.
     let (sum_exp, weighted) = logits.iter().fold((0f32, 0f32), |(z, w), &l| {
         let shifted = l - max;
         let e = shifted.exp();
         (z + e, w + e * shifted)
     });
-    let entropy = sum_exp.ln() - weighted / sum_exp;
-    let mut top: Vec<(u32, f32)> = Vec::new();
-    if top_k > 0 {
-        let mut all: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
-        let k = top_k.min(all.len());
-        let cmp = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        all.select_nth_unstable_by(k - 1, cmp);
-        all.truncate(k);
-        all.sort_by(cmp);
-        top = all;
+    LogitStats::from_sums(sum_exp, weighted, top_logits(logits, top_k))
+}
+
+impl LogitStats {
+    /// From one exp per logit: with e_i = exp(l_i − max), Z' = Σ e_i and W = Σ e_i (l_i − max),
+    /// the entropy −Σ p_i log p_i = log Z' − W / Z' and the largest probability is 1 / Z'.
+    pub fn from_sums(sum_exp: f32, weighted: f32, top_k: Vec<(u32, f32)>) -> Self {
+        LogitStats {
+            entropy: (sum_exp.ln() - weighted / sum_exp).max(0.0),
+            max_prob: 1.0 / sum_exp,
+            top_k,
+        }
     }
-    LogitStats {
-        entropy: entropy.max(0.0),
-        max_prob: 1.0 / sum_exp,
-        top_k: top,
+}
+
+/// The `k` largest logits as `(token, logit)`, largest first (lowest token on ties).
+pub fn top_logits(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    if k == 0 || logits.is_empty() {
+        return Vec::new();
     }
+    let mut all: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    let k = k.min(all.len());
+    let cmp = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    all.select_nth_unstable_by(k - 1, cmp);
+    all.truncate(k);
+    all.sort_by(cmp);
+    all
 }
 
 #[cfg(test)]

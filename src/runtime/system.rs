@@ -12,7 +12,7 @@ use super::tuner::{TunerActor, TunerSettings};
 use crate::config::{Config, ExecutionMode, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Executor, SamplingParams, StepExecutor};
+use crate::engine::{load_executor, SamplingParams, StepExecutor};
 use crate::error::{ConfigError, EngineError};
 use crate::policy::registry::PolicyRegistry;
 use crate::policy::{RequestInfo, RoutingState};
@@ -197,7 +197,7 @@ impl Runtime {
                     Some(latency) => {
                         Box::new(LatencyProfileExecutor::new(&m.name, latency, m.kv_tokens))
                     }
-                    None => Box::new(Executor::load(m)?),
+                    None => load_executor(m)?,
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;

@@ -380,6 +380,7 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         path: path.to_path_buf(),
         latency_profile_ms: None,
         threads: 1,
+        device: Default::default(),
         kv_tokens: 4096,
         weights: tokenrouter::config::WeightPrecision::Stored,
         layers: None,

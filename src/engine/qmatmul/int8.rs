@@ -132,6 +132,26 @@ impl PackedInt8 {
         }
     }
 
+    /// Every block's quant bytes, column after column (`block_count · quant_bytes`).
+    pub fn quant_bytes(&self) -> &[u8] {
+        &bytes(&self.quants)[..self.block_count() * self.format.quant_bytes()]
+    }
+
+    /// Every block's scale and offset as f32, `[n_out, blocks_per_row]` each (weight =
+    /// scale · q + offset; offsets are zero for Q8_0).
+    pub fn scales_and_offsets(&self) -> (Vec<f32>, Vec<f32>) {
+        let mut scales = vec![0f32; self.block_count()];
+        let mut offsets = vec![0f32; self.block_count()];
+        for (col, (s, o)) in scales
+            .chunks_mut(self.blocks_per_row)
+            .zip(offsets.chunks_mut(self.blocks_per_row))
+            .enumerate()
+        {
+            self.decode_column(col, s, o);
+        }
+        (scales, offsets)
+    }
+
     /// The weights as f32, row-major `[n_out, k_in]`.
     pub fn dequantize(&self) -> Vec<f32> {
         let quant_bytes = self.format.quant_bytes();

@@ -18,8 +18,7 @@ use candle_core::quantized::k_quants::{
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
-pub use int8::Kernel;
-use int8::{Int8Format, PackedInt8};
+pub use int8::{Int8Format, Kernel, PackedInt8};
 
 /// A `[n_out, k_in]` weight matrix, rows stored contiguously in their own block format.
 pub struct QWeight {
@@ -146,6 +145,14 @@ impl QWeight {
         }
     }
 
+    /// The repacked Q8_0 / Q4_0 / Q4_1 blocks; `None` for the other formats.
+    pub fn packed_int8(&self) -> Option<&PackedInt8> {
+        match &self.storage {
+            Storage::Int8(packed) => Some(packed),
+            Storage::Ggml(_) => None,
+        }
+    }
+
     /// The weights as f32, row-major `[n_out, k_in]`.
     pub fn dequantize(&self) -> Vec<f32> {
         match &self.storage {
@@ -196,7 +203,7 @@ impl QWeight {
             .map(|w| w.columns_per_task())
             .max()
             .unwrap_or(1);
-        let int8: Option<Vec<&PackedInt8>> = weights.iter().map(|w| w.int8_weights()).collect();
+        let int8: Option<Vec<&PackedInt8>> = weights.iter().map(|w| w.packed_int8()).collect();
         match int8 {
             Some(int8) => {
                 let x = activations::QuantizedRows::quantize(x, rows);
@@ -243,13 +250,6 @@ impl QWeight {
                 }
             }
         });
-    }
-
-    fn int8_weights(&self) -> Option<&PackedInt8> {
-        match &self.storage {
-            Storage::Int8(packed) => Some(packed),
-            Storage::Ggml(_) => None,
-        }
     }
 
     fn columns_per_task(&self) -> usize {

@@ -1,0 +1,41 @@
+// Row-wise and element-wise steps of the decoder layer.
+
+// out[r] = x[r] / rms(x[r]) * weight, one thread block per row of `dim` (x may alias out:
+// each thread rewrites only the elements it read).
+extern "C" __global__ void rms_norm(const float* x, const float* weight, float* out, int dim,
+                                    float eps) {
+    const float* row = x + (long long)blockIdx.x * dim;
+    float* dst = out + (long long)blockIdx.x * dim;
+    float squares = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) squares += row[i] * row[i];
+    const float scale = 1.0f / sqrtf(block_sum(squares) / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = row[i] * scale * weight[i];
+}
+
+// x += y over n elements (the residual stream).
+extern "C" __global__ void add_in_place(float* x, const float* y, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// Adds `bias` (dim) to every row of x (n elements in all).
+extern "C" __global__ void add_bias_rows(float* x, const float* bias, long long n, int dim) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += bias[i % dim];
+}
+
+// SwiGLU: gate <- silu(gate) * up.
+extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float g = gate[i];
+        gate[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// dst[i] = src[rows[i]], rows of `dim`; one thread block per gathered row.
+extern "C" __global__ void gather_rows(const float* src, const int* rows, float* dst, int dim) {
+    const float* from = src + (long long)rows[blockIdx.x] * dim;
+    float* to = dst + (long long)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) to[i] = from[i];
+}

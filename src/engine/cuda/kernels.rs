@@ -1,0 +1,115 @@
+//! The CUDA C sources in `kernels/`, compiled by NVRTC when an executor starts (for the GPU it
+//! runs on), and the functions the step launches.
+
+use super::gpu_error;
+use crate::engine::kv::BLOCK_TOKENS;
+use crate::error::{EngineError, EngineResult};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Prepended to every source: the shared reductions.
+const COMMON: &str = include_str!("../../../kernels/common.cuh");
+
+/// Every kernel source by file name.
+pub const SOURCES: [(&str, &str); 6] = [
+    (
+        "elementwise.cu",
+        include_str!("../../../kernels/elementwise.cu"),
+    ),
+    ("rope.cu", include_str!("../../../kernels/rope.cu")),
+    ("kv.cu", include_str!("../../../kernels/kv.cu")),
+    (
+        "attention.cu",
+        include_str!("../../../kernels/attention.cu"),
+    ),
+    ("quant.cu", include_str!("../../../kernels/quant.cu")),
+    ("sampling.cu", include_str!("../../../kernels/sampling.cu")),
+];
+
+/// Whether libnvrtc can be loaded (the `nvidia-cuda-nvrtc-cu12` wheel's `lib/` on
+/// `LD_LIBRARY_PATH` is enough; no toolkit or GPU needed).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library under its usual names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles one source of `SOURCES` to PTX for a virtual architecture such as `compute_90`.
+pub fn compile(name: &str, source: &str, arch: &str) -> EngineResult<Ptx> {
+    if !nvrtc_available() {
+        return Err(EngineError::Gpu(
+            "NVRTC (libnvrtc.so.12) not found: install the `nvidia-cuda-nvrtc-cu12` wheel and put \
+             its `nvidia/cuda_nvrtc/lib` directory on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let program = format!("#define BLOCK_TOKENS {BLOCK_TOKENS}\n{COMMON}\n{source}");
+    let options = CompileOptions {
+        name: Some(name.to_string()),
+        options: vec![format!("--gpu-architecture={arch}")],
+        ..Default::default()
+    };
+    compile_ptx_with_opts(program, options).map_err(|e| {
+        let detail = match e {
+            CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => format!("{other:?}"),
+        };
+        EngineError::Gpu(format!("NVRTC cannot compile kernels/{name}: {detail}"))
+    })
+}
+
+/// The compiled functions one executor launches.
+pub struct Kernels {
+    pub rms_norm: CudaFunction,
+    pub add_in_place: CudaFunction,
+    pub add_bias_rows: CudaFunction,
+    pub silu_mul: CudaFunction,
+    pub gather_rows: CudaFunction,
+    pub rope: CudaFunction,
+    pub kv_append: CudaFunction,
+    pub kv_copy_blocks: CudaFunction,
+    pub paged_attention: CudaFunction,
+    pub quantize_q8: CudaFunction,
+    pub qmatmul_q8_0: CudaFunction,
+    pub qmatmul_q4: CudaFunction,
+    pub logit_stats: CudaFunction,
+}
+
+impl Kernels {
+    /// Compiles every source for `context`'s GPU and loads its functions.
+    pub fn load(context: &Arc<CudaContext>) -> EngineResult<Self> {
+        let (major, minor) = context.compute_capability().map_err(gpu_error)?;
+        if (major, minor) < (6, 1) {
+            return Err(EngineError::Gpu(format!(
+                "compute capability {major}.{minor} is too old: the integer-dot kernels need 6.1"
+            )));
+        }
+        let arch = format!("compute_{major}{minor}");
+        let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
+        for (name, source) in SOURCES {
+            let ptx = compile(name, source, &arch)?;
+            modules.insert(name, context.load_module(ptx).map_err(gpu_error)?);
+        }
+        let function = |file: &str, name: &str| {
+            modules[file]
+                .load_function(name)
+                .map_err(|e| EngineError::Gpu(format!("kernels/{file}: `{name}`: {e}")))
+        };
+        Ok(Self {
+            rms_norm: function("elementwise.cu", "rms_norm")?,
+            add_in_place: function("elementwise.cu", "add_in_place")?,
+            add_bias_rows: function("elementwise.cu", "add_bias_rows")?,
+            silu_mul: function("elementwise.cu", "silu_mul")?,
+            gather_rows: function("elementwise.cu", "gather_rows")?,
+            rope: function("rope.cu", "rope")?,
+            kv_append: function("kv.cu", "kv_append")?,
+            kv_copy_blocks: function("kv.cu", "kv_copy_blocks")?,
+            paged_attention: function("attention.cu", "paged_attention")?,
+            quantize_q8: function("quant.cu", "quantize_q8")?,
+            qmatmul_q8_0: function("quant.cu", "qmatmul_q8_0")?,
+            qmatmul_q4: function("quant.cu", "qmatmul_q4")?,
+            logit_stats: function("sampling.cu", "logit_stats")?,
+        })
+    }
+}

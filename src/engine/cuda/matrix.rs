@@ -1,0 +1,209 @@
+//! Weight matrices on the GPU. Q8_0 / Q4_0 / Q4_1 stay in their blocks (the CPU path's
+//! repacking: quants per output column, f32 scales and offsets beside them) and run through
+//! the integer-dot kernels on 8-bit activations, as on the CPU; every other format is
+//! dequantized to f32 at load and multiplied by cuBLAS.
+
+use super::gpu_error;
+use super::launch::Gpu;
+use crate::engine::qmatmul::{Int8Format, QWeight};
+use crate::error::{EngineError, EngineResult};
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+const BLOCK: usize = 32;
+
+enum Weights {
+    Q8_0 {
+        quants: CudaSlice<i8>,
+        scales: CudaSlice<f32>,
+    },
+    Q4 {
+        quants: CudaSlice<u8>,
+        scales: CudaSlice<f32>,
+        offsets: CudaSlice<f32>,
+    },
+    /// Row-major `[n_out, k_in]`.
+    Dense(CudaSlice<f32>),
+}
+
+/// A `[n_out, k_in]` weight matrix on the device.
+pub struct DeviceMatrix {
+    n_out: usize,
+    k_in: usize,
+    weights: Weights,
+}
+
+/// Activation rows quantized on the device (see `kernels/quant.cu`), `[rows, k / 32]` blocks.
+struct QuantizedActivations {
+    quants: CudaSlice<i8>,
+    scales: CudaSlice<f32>,
+    scaled_sums: CudaSlice<f32>,
+}
+
+impl DeviceMatrix {
+    pub fn upload(gpu: &Gpu, weight: &QWeight) -> EngineResult<Self> {
+        let weights = match weight.packed_int8() {
+            Some(packed) => {
+                let (scales, offsets) = packed.scales_and_offsets();
+                let scales = gpu.upload(&scales)?;
+                match packed.format() {
+                    Int8Format::Q8_0 => {
+                        let quants: Vec<i8> =
+                            packed.quant_bytes().iter().map(|&b| b as i8).collect();
+                        Weights::Q8_0 {
+                            quants: gpu.upload(&quants)?,
+                            scales,
+                        }
+                    }
+                    Int8Format::Q4_0 | Int8Format::Q4_1 => Weights::Q4 {
+                        quants: gpu.upload(packed.quant_bytes())?,
+                        scales,
+                        offsets: gpu.upload(&offsets)?,
+                    },
+                }
+            }
+            None => Weights::Dense(gpu.upload(&weight.dequantize())?),
+        };
+        Ok(Self {
+            n_out: weight.n_out(),
+            k_in: weight.k_in(),
+            weights,
+        })
+    }
+
+    pub fn is_dense(&self) -> bool {
+        matches!(self.weights, Weights::Dense(_))
+    }
+
+    /// `x [rows, k_in]` × Wᵢᵀ for matrices sharing one input (q/k/v; gate/up): the input is
+    /// quantized once for all of them.
+    pub fn matmul_each<const N: usize>(
+        gpu: &Gpu,
+        blas: Option<&CudaBlas>,
+        matrices: [&Self; N],
+        x: &CudaSlice<f32>,
+        rows: usize,
+    ) -> EngineResult<[CudaSlice<f32>; N]> {
+        let k_in = matrices[0].k_in;
+        let quantized = match matrices.iter().any(|m| !m.is_dense()) {
+            true => Some(quantize(gpu, x, rows, k_in)?),
+            false => None,
+        };
+        let mut outs = Vec::with_capacity(N);
+        for m in matrices {
+            outs.push(m.apply(gpu, blas, x, quantized.as_ref(), rows)?);
+        }
+        Ok(outs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per matrix")))
+    }
+
+    pub fn matmul(
+        &self,
+        gpu: &Gpu,
+        blas: Option<&CudaBlas>,
+        x: &CudaSlice<f32>,
+        rows: usize,
+    ) -> EngineResult<CudaSlice<f32>> {
+        let [out] = Self::matmul_each(gpu, blas, [self], x, rows)?;
+        Ok(out)
+    }
+
+    fn apply(
+        &self,
+        gpu: &Gpu,
+        blas: Option<&CudaBlas>,
+        x: &CudaSlice<f32>,
+        quantized: Option<&QuantizedActivations>,
+        rows: usize,
+    ) -> EngineResult<CudaSlice<f32>> {
+        let mut out = gpu.zeros::<f32>(rows * self.n_out)?;
+        let (n_out, blocks) = (self.n_out as i32, (self.k_in / BLOCK) as i32);
+        let config = Gpu::warps(self.n_out, rows);
+        match (&self.weights, quantized) {
+            (Weights::Q8_0 { quants, scales }, Some(x)) => {
+                let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q8_0);
+                launch
+                    .arg(quants)
+                    .arg(scales)
+                    .arg(&x.quants)
+                    .arg(&x.scales)
+                    .arg(&mut out)
+                    .arg(&n_out)
+                    .arg(&blocks);
+                // SAFETY: quants hold n_out · k_in bytes, x holds rows · k_in quants.
+                unsafe { launch.launch(config) }.map_err(gpu_error)?;
+            }
+            (
+                Weights::Q4 {
+                    quants,
+                    scales,
+                    offsets,
+                },
+                Some(x),
+            ) => {
+                let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q4);
+                launch
+                    .arg(quants)
+                    .arg(scales)
+                    .arg(offsets)
+                    .arg(&x.quants)
+                    .arg(&x.scales)
+                    .arg(&x.scaled_sums)
+                    .arg(&mut out)
+                    .arg(&n_out)
+                    .arg(&blocks);
+                // SAFETY: quants hold n_out · k_in / 2 bytes, x holds rows · k_in quants.
+                unsafe { launch.launch(config) }.map_err(gpu_error)?;
+            }
+            (Weights::Dense(w), _) => {
+                let blas = blas.ok_or_else(|| {
+                    EngineError::Gpu("dense weights need cuBLAS, which was not loaded".into())
+                })?;
+                // Column-major view: C[n_out, rows] = Wᵀ[n_out, k] · X[k, rows].
+                let gemm = GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_T,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: self.n_out as i32,
+                    n: rows as i32,
+                    k: self.k_in as i32,
+                    alpha: 1.0f32,
+                    lda: self.k_in as i32,
+                    ldb: self.k_in as i32,
+                    beta: 0.0f32,
+                    ldc: self.n_out as i32,
+                };
+                // SAFETY: the shapes above match the buffers' lengths.
+                unsafe { blas.gemm(gemm, w, x, &mut out) }.map_err(gpu_error)?;
+            }
+            (_, None) => unreachable!("quantized weights always get quantized activations"),
+        }
+        Ok(out)
+    }
+}
+
+fn quantize(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    k_in: usize,
+) -> EngineResult<QuantizedActivations> {
+    let blocks = rows * k_in / BLOCK;
+    let mut out = QuantizedActivations {
+        quants: gpu.zeros::<i8>(rows * k_in)?,
+        scales: gpu.zeros::<f32>(blocks)?,
+        scaled_sums: gpu.zeros::<f32>(blocks)?,
+    };
+    let blocks_arg = blocks as i32;
+    let mut launch = gpu.stream.launch_builder(&gpu.kernels.quantize_q8);
+    launch
+        .arg(x)
+        .arg(&mut out.quants)
+        .arg(&mut out.scales)
+        .arg(&mut out.scaled_sums)
+        .arg(&blocks_arg);
+    // SAFETY: x holds `blocks` whole blocks of 32.
+    unsafe { launch.launch(Gpu::warps(blocks, 1)) }.map_err(gpu_error)?;
+    Ok(out)
+}
