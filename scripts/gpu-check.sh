@@ -5,7 +5,7 @@
 #
 #   here:            bash scripts/gpu-check.sh prepare
 #                    (release build with --features cuda, and the model split in two, in .gpu/)
-#   device call 1:   carry [".gpu/tokenrouter", ".gpu/model.part-aa"]
+#   device call 1:   carry [".gpu/tokenrouter.gz", ".gpu/model.part-aa", ".gpu/model.sha256"]
 #                    command: bash scripts/gpu-check.sh receive
 #   device call 2:   carry [".gpu/model.part-ab"]  (at once: the machine must still be warm)
 #                    command: bash scripts/gpu-check.sh run
@@ -23,23 +23,28 @@ prepare)
     cargo build --release --features cuda
     rm -rf .gpu && mkdir -p .gpu
     strip -o .gpu/tokenrouter target/release/tokenrouter
+    gzip -9 .gpu/tokenrouter
     split -n 2 "$model" .gpu/model.part-
     sha256sum "$model" | cut -d' ' -f1 > .gpu/model.sha256
     ls -l .gpu
+    du -cb .gpu/tokenrouter.gz .gpu/model.part-aa | tail -1   # call 1 carries this (< 64 MiB)
     ;;
 receive)
     mkdir -p "$stash"
-    cp .gpu/tokenrouter .gpu/model.part-aa "$stash/"
+    gunzip -c .gpu/tokenrouter.gz > "$stash/tokenrouter"
+    chmod +x "$stash/tokenrouter"
+    cp .gpu/model.part-aa .gpu/model.sha256 "$stash/"
     ls -l "$stash"
     ;;
 run)
     cp .gpu/model.part-ab "$stash/"
     mkdir -p models
     cat "$stash"/model.part-* > "$model"
-    echo "$(cat .gpu/model.sha256)  $model" | sha256sum --check
+    echo "$(cat "$stash/model.sha256")  $model" | sha256sum --check
     # NVRTC and cuBLAS from the toolkit (any 12.x or 13.x: the APIs used are stable).
-    for dir in /usr/local/cuda/lib64 $(dirname $(find / -name 'libnvrtc.so*' 2>/dev/null | head -1)); do
-        [ -d "$dir" ] && export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    nvrtc="$(find /usr/local /opt -name 'libnvrtc.so*' 2>/dev/null | head -1)"
+    for dir in /usr/local/cuda/lib64 ${nvrtc:+"$(dirname "$nvrtc")"}; do
+        if [ -d "$dir" ]; then export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
     done
     bin="$stash/tokenrouter"
     out="${OUT:-/tmp/gpu-check-out}"

@@ -38,10 +38,23 @@ fn every_kernel_source_compiles_to_ptx() {
         return;
     }
     for arch in ["compute_61", "compute_80", "compute_90"] {
-        for (name, source) in kernels::SOURCES {
-            let ptx = kernels::compile(name, source, arch)
-                .unwrap_or_else(|e| panic!("{name} for {arch}: {e}"));
-            assert!(ptx.to_src().contains(".entry"), "{name}: no kernel entry");
+        for (file, source) in kernels::SOURCES {
+            let ptx = kernels::compile(file, source, arch)
+                .unwrap_or_else(|e| panic!("{file} for {arch}: {e}"))
+                .to_src();
+            let launched = kernels::FUNCTIONS.iter().filter(|(f, _)| *f == file);
+            let entries = ptx.matches(".entry").count();
+            assert_eq!(
+                entries,
+                launched.clone().count(),
+                "{file}: unlaunched kernels"
+            );
+            for (_, function) in launched {
+                assert!(
+                    ptx.contains(&format!(".entry {function}(")),
+                    "{file} for {arch}: no kernel `{function}`"
+                );
+            }
         }
     }
 }

@@ -59,21 +59,53 @@ pub fn compile(name: &str, source: &str, arch: &str) -> EngineResult<Ptx> {
     })
 }
 
-/// The compiled functions one executor launches.
-pub struct Kernels {
-    pub rms_norm: CudaFunction,
-    pub add_in_place: CudaFunction,
-    pub add_bias_rows: CudaFunction,
-    pub silu_mul: CudaFunction,
-    pub gather_rows: CudaFunction,
-    pub rope: CudaFunction,
-    pub kv_append: CudaFunction,
-    pub kv_copy_blocks: CudaFunction,
-    pub paged_attention: CudaFunction,
-    pub quantize_q8: CudaFunction,
-    pub qmatmul_q8_0: CudaFunction,
-    pub qmatmul_q4: CudaFunction,
-    pub logit_stats: CudaFunction,
+/// Declares the functions the executor launches once: the `Kernels` fields (named as the
+/// kernels) and `FUNCTIONS`, which the tests check against the compiled PTX.
+macro_rules! kernels {
+    ($($name:ident in $file:literal),* $(,)?) => {
+        /// The compiled functions one executor launches.
+        pub struct Kernels {
+            $(pub $name: CudaFunction,)*
+        }
+
+        /// Every kernel the executor launches, as `(source file, function)`.
+        pub const FUNCTIONS: &[(&str, &str)] = &[$(($file, stringify!($name)),)*];
+
+        impl Kernels {
+            fn from_modules(modules: &HashMap<&str, Arc<CudaModule>>) -> EngineResult<Self> {
+                Ok(Self {
+                    $($name: function(modules, $file, stringify!($name))?,)*
+                })
+            }
+        }
+    };
+}
+
+kernels! {
+    rms_norm in "elementwise.cu",
+    add_in_place in "elementwise.cu",
+    add_bias_rows in "elementwise.cu",
+    silu_mul in "elementwise.cu",
+    gather_rows in "elementwise.cu",
+    rope in "rope.cu",
+    kv_append in "kv.cu",
+    kv_copy_blocks in "kv.cu",
+    paged_attention in "attention.cu",
+    quantize_q8 in "quant.cu",
+    qmatmul_q8_0 in "quant.cu",
+    qmatmul_q4 in "quant.cu",
+    logit_stats in "sampling.cu",
+    top_k in "sampling.cu",
+}
+
+fn function(
+    modules: &HashMap<&str, Arc<CudaModule>>,
+    file: &str,
+    name: &str,
+) -> EngineResult<CudaFunction> {
+    modules[file]
+        .load_function(name)
+        .map_err(|e| EngineError::Gpu(format!("kernels/{file}: `{name}`: {e}")))
 }
 
 impl Kernels {
@@ -91,25 +123,6 @@ impl Kernels {
             let ptx = compile(name, source, &arch)?;
             modules.insert(name, context.load_module(ptx).map_err(gpu_error)?);
         }
-        let function = |file: &str, name: &str| {
-            modules[file]
-                .load_function(name)
-                .map_err(|e| EngineError::Gpu(format!("kernels/{file}: `{name}`: {e}")))
-        };
-        Ok(Self {
-            rms_norm: function("elementwise.cu", "rms_norm")?,
-            add_in_place: function("elementwise.cu", "add_in_place")?,
-            add_bias_rows: function("elementwise.cu", "add_bias_rows")?,
-            silu_mul: function("elementwise.cu", "silu_mul")?,
-            gather_rows: function("elementwise.cu", "gather_rows")?,
-            rope: function("rope.cu", "rope")?,
-            kv_append: function("kv.cu", "kv_append")?,
-            kv_copy_blocks: function("kv.cu", "kv_copy_blocks")?,
-            paged_attention: function("attention.cu", "paged_attention")?,
-            quantize_q8: function("quant.cu", "quantize_q8")?,
-            qmatmul_q8_0: function("quant.cu", "qmatmul_q8_0")?,
-            qmatmul_q4: function("quant.cu", "qmatmul_q4")?,
-            logit_stats: function("sampling.cu", "logit_stats")?,
-        })
+        Self::from_modules(&modules)
     }
 }

@@ -265,6 +265,35 @@ impl Gpu {
         Ok((self.download(&stats)?, self.download(&argmax)?))
     }
 
+    /// `[rows, vocab]` logits → per row its `k` largest as `(token, logit)`, largest first.
+    pub fn top_k(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        k: usize,
+    ) -> EngineResult<Vec<Vec<(u32, f32)>>> {
+        let vocab = logits.len() / rows.max(1);
+        let k = k.min(vocab);
+        let mut indices = self.zeros::<i32>(rows * k)?;
+        let mut values = self.zeros::<f32>(rows * k)?;
+        let (vocab_arg, k_arg) = (vocab as i32, k as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.top_k);
+        launch
+            .arg(logits)
+            .arg(&vocab_arg)
+            .arg(&k_arg)
+            .arg(&mut indices)
+            .arg(&mut values);
+        // SAFETY: logits hold rows · vocab floats, the outputs rows · k.
+        unsafe { launch.launch(per_row(rows)) }.map_err(gpu_error)?;
+        let (indices, values) = (self.download(&indices)?, self.download(&values)?);
+        Ok(indices
+            .chunks(k)
+            .zip(values.chunks(k))
+            .map(|(i, v)| i.iter().map(|&t| t as u32).zip(v.iter().copied()).collect())
+            .collect())
+    }
+
     /// Launch geometry of the warp-per-output kernels over `n` outputs per row.
     pub fn warps(n: usize, rows: usize) -> LaunchConfig {
         LaunchConfig {

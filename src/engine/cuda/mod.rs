@@ -246,6 +246,8 @@ struct LastPositions {
     /// `[sequences, 3]`: max, Z', Σ e·shift (see `kernels/sampling.cu`).
     sums: Vec<f32>,
     argmax: Vec<i32>,
+    /// Per sequence the `top_k` largest logits (as many as the step's largest request).
+    top: Vec<Vec<(u32, f32)>>,
 }
 
 impl DeviceModel {
@@ -255,6 +257,7 @@ impl DeviceModel {
         tokens: &[u32],
         segments: &[Segment],
         layout: &StepLayout,
+        top_k: usize,
     ) -> EngineResult<LastPositions> {
         let hp = &self.hp;
         let gpu = &self.gpu;
@@ -277,11 +280,16 @@ impl DeviceModel {
             .lm_head
             .matmul(gpu, self.blas.as_ref(), &normed, segments.len())?;
         let (sums, argmax) = gpu.logit_stats(&logits, segments.len())?;
+        let top = match top_k {
+            0 => vec![Vec::new(); segments.len()],
+            k => gpu.top_k(&logits, segments.len(), k)?,
+        };
         Ok(LastPositions {
             logits: gpu.download(&logits)?,
             hidden: gpu.download(&normed)?,
             sums,
             argmax,
+            top,
         })
     }
 
@@ -387,9 +395,10 @@ impl StepExecutor for CudaExecutor {
         }
         let layout = self.layout(&batch, &segments)?;
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
-        let last = self
+        let top_k = work.iter().map(|w| w.needs.top_k).max().unwrap_or(0);
+        let mut last = self
             .model
-            .forward(&mut self.paged, &tokens, &segments, &layout)?;
+            .forward(&mut self.paged, &tokens, &segments, &layout, top_k)?;
         for &(seq, t) in &batch {
             self.kv.advance(seq, t.len());
         }
@@ -405,11 +414,9 @@ impl StepExecutor for CudaExecutor {
                 } else {
                     sampling::sample(&logits, &w.sampling, position)
                 };
-                let stats = LogitStats::from_sums(
-                    last.sums[i * 3 + 1],
-                    last.sums[i * 3 + 2],
-                    sampling::top_logits(&logits, w.needs.top_k),
-                );
+                let mut top = std::mem::take(&mut last.top[i]);
+                top.truncate(w.needs.top_k);
+                let stats = LogitStats::from_sums(last.sums[i * 3 + 1], last.sums[i * 3 + 2], top);
                 let t = candidate as usize;
                 StepOutput {
                     seq: w.seq,
