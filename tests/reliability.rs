@@ -218,4 +218,14 @@ fn kv_exhaustion_answers_429_with_retry_after_and_loses_nothing() {
     server.wait_for_metrics("KV freed", |text| {
         common::server::samples(text, "tokenrouter_kv_tokens_used").all(|(_, v)| v == 0.0)
     });
+    // Larger than a model's whole budget: no retry would help, so 400, not 429.
+    let body = json!({"model": "me", "prompt": "the weather", "max_tokens": 120});
+    match ureq::post(&server.url("/v1/completions")).send_string(&body.to_string()) {
+        Err(ureq::Error::Status(400, r)) => {
+            let body: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(message.contains("KV budget of 96"), "{message}");
+        }
+        other => panic!("expected 400, got {other:?}"),
+    }
 }

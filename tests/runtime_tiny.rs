@@ -379,6 +379,15 @@ async fn kv_pressure_preempts_pending_requests_and_fails_only_what_cannot_fit() 
     // 4 blocks of 16 tokens per model; a request needs up to 2 blocks on each model.
     let tight = pair_config(dir.path(), spec, "kv_tokens = 64");
     let rt = Runtime::start(&tight, Some(ExecutionMode::Tokenrouter)).unwrap();
+    // A request larger than a model's whole budget can never run: a bad request, not overload.
+    let err = rt
+        .submit(request(&(3..53).collect::<Vec<_>>(), "me", 15, 0))
+        .err()
+        .expect("50 + 15 tokens exceed a 64-token budget");
+    assert!(
+        matches!(&err, RuntimeError::InvalidRequest(m) if m.contains("KV budget of 64")),
+        "{err}"
+    );
     // Two at a time always fit.
     let pairs = run_all(&rt, &prompts, "me", 2, 12).await;
     for (result, want) in pairs.iter().zip(&reference) {

@@ -161,6 +161,9 @@ pub struct Runtime {
     hidden_sizes: Vec<usize>,
     /// The shortest context of the routed models: a request must fit every one.
     context_length: usize,
+    /// Per model: its name and whole KV budget in tokens (a request must fit each model its
+    /// policy may route to, even with nothing else running).
+    kv_capacity: Vec<(String, usize)>,
     /// `None` when every model is a latency-profile simulation.
     tokenizer: Option<Arc<ModelTokenizer>>,
     eos: Arc<BTreeSet<u32>>,
@@ -211,6 +214,10 @@ impl Runtime {
             )));
         }
         let hidden_sizes: Vec<usize> = executors.iter().map(|e| e.hidden_size()).collect();
+        let kv_capacity = executors
+            .iter()
+            .map(|e| (e.name().to_string(), e.kv_usage().capacity_tokens))
+            .collect();
         let context_length = executors
             .iter()
             .map(|e| e.context_length())
@@ -295,6 +302,7 @@ impl Runtime {
             config: Mutex::new(config.clone()),
             hidden_sizes,
             context_length,
+            kv_capacity,
             tokenizer,
             eos,
             live,
@@ -409,6 +417,18 @@ impl Runtime {
                 request.max_tokens,
                 self.context_length
             )));
+        }
+        let needed = request.prompt.len().saturating_add(request.max_tokens);
+        for &m in policy.models() {
+            let (name, capacity) = &self.kv_capacity[m];
+            if needed > *capacity {
+                return Err(RuntimeError::InvalidRequest(format!(
+                    "the prompt ({} tokens) plus max_tokens ({}) exceeds model `{name}`'s whole KV \
+                     budget of {capacity} tokens (kv_tokens)",
+                    request.prompt.len(),
+                    request.max_tokens
+                )));
+            }
         }
         let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
         let seed = request.sampling.seed;
