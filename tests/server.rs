@@ -345,11 +345,7 @@ fn sighup_reloads_policies_from_the_config_file() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(server
-        .log
-        .lock()
-        .unwrap()
-        .contains("SIGHUP: policies reloaded"));
+    server.wait_for_log("SIGHUP: policies reloaded");
 }
 
 #[test]

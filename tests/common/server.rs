@@ -114,6 +114,19 @@ impl Server {
             .unwrap()
     }
 
+    /// Waits until the server's log (read from its stderr by another thread) holds `line`.
+    pub fn wait_for_log(&self, line: &str) {
+        let start = Instant::now();
+        while !self.log.lock().unwrap().contains(line) {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "timed out waiting for `{line}` in the log:\n{}",
+                self.log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits until `done` holds on the metrics text.
     pub fn wait_for_metrics(&self, what: &str, done: impl Fn(&str) -> bool) {
         let start = Instant::now();
