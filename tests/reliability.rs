@@ -228,4 +228,13 @@ fn kv_exhaustion_answers_429_with_retry_after_and_loses_nothing() {
         }
         other => panic!("expected 400, got {other:?}"),
     }
+    // Without max_tokens, a chat gets as many as the budget holds (not a 400).
+    let body = json!({"model": "me", "messages": [{"role": "user", "content": "the weather"}],
+                      "ignore_eos": true});
+    let response = ureq::post(&server.url("/v1/chat/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let body: Value = serde_json::from_str(&response.into_string().unwrap()).unwrap();
+    let usage = &body["usage"];
+    assert_eq!(usage["total_tokens"], 96, "{body}");
 }

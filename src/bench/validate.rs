@@ -39,12 +39,14 @@ threshold = 0.65
     .expect("the paper configuration is valid")
 }
 
-/// A request that never ends by itself (simulated models have no end-of-sequence).
+/// A request as long as the runtime admits: it does not end by itself within a measurement
+/// (simulated models have no end-of-sequence).
 pub fn endless(runtime: &Runtime, seed: u64) -> Result<RequestHandle, RuntimeError> {
+    let prompt = vec![1, 2, 3];
     runtime.submit(GenerateRequest {
-        prompt: vec![1, 2, 3],
+        max_tokens: runtime.request_token_limit() - prompt.len(),
+        prompt,
         policy: Some("r2r".into()),
-        max_tokens: usize::MAX,
         sampling: SamplingParams {
             seed,
             ..SamplingParams::greedy()

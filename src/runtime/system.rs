@@ -328,6 +328,15 @@ impl Runtime {
         self.context_length
     }
 
+    /// The most tokens (prompt + max_tokens) a request may ask for: the shortest context,
+    /// and no more than any model's whole KV budget.
+    pub fn request_token_limit(&self) -> usize {
+        self.kv_capacity
+            .iter()
+            .map(|(_, capacity)| *capacity)
+            .fold(self.context_length, usize::min)
+    }
+
     pub fn stats(&self) -> &Arc<RuntimeStats> {
         &self.stats
     }

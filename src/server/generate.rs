@@ -138,7 +138,12 @@ async fn run(
                 param: prompt_field,
             })
         }
-        None => room.min(state.config.max_tokens_limit),
+        // Unasked, as many as fit the context and every model's KV budget (at least one, so
+        // a prompt that fills a budget gets the runtime's error naming it).
+        None => room
+            .min(state.config.max_tokens_limit)
+            .min(state.runtime.request_token_limit().saturating_sub(prompt.len()))
+            .max(1),
     };
     let policy = model.filter(|m| m != "default");
     let slot = state.admission.enter().await?;
