@@ -5,7 +5,7 @@
 
 use super::activations::{padded_blocks, QuantizedRows, BLOCK};
 #[cfg(target_arch = "x86_64")]
-use super::avx2::{avx2, vnni};
+use super::simd::{avx2, vnni};
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
@@ -214,7 +214,7 @@ impl Kernel {
         {
             use std::is_x86_feature_detected as has;
             if has!("avx2") && has!("fma") {
-                if has!("avx512vnni") && has!("avx512vl") {
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("avx512vl") {
                     all.push(Self::Avx512Vnni);
                 }
                 all.push(Self::Avx2);

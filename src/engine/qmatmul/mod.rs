@@ -6,9 +6,9 @@
 //! greedy decoding agree exactly. Work is split over output columns (see `engine::parallel`).
 
 mod activations;
-#[cfg(target_arch = "x86_64")]
-mod avx2;
 mod int8;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 
 use super::parallel;
 use crate::config::WeightPrecision;

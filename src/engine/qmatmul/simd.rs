@@ -1,10 +1,11 @@
-//! AVX2 + FMA tiles: one weight column against `R` activation rows. The column's blocks are
-//! decoded once and multiplied into all `R` rows with `maddubs` (u8 × i8 pairs → i16) and
-//! `madd` (→ i32), then scaled into per-row f32 lanes. Sums are exact in the integer part
+//! SIMD tiles: one weight column against `R` activation rows. The column's blocks are decoded
+//! once and multiplied into all `R` rows: on AVX2 + FMA with `maddubs` (u8 × i8 pairs → i16)
+//! and `madd` (→ i32), then scaled into per-row f32 lanes. Sums are exact in the integer part
 //! (|pair| ≤ 2 · 128 · 127 < 2¹⁵), and each row's lanes are reduced in one fixed order.
-//! Only the `R` accumulators live in the loop (the Q4 offsets are summed by the caller), so
-//! they stay in registers. CPUs with AVX-512 VNNI run the same tiles with `vpdpbusd` in place
-//! of `maddubs` + `madd`; the integer sums, and so the results, are identical.
+//! Only the `R` accumulators live in the loop (the Q4 offsets are summed after it), so they
+//! stay in registers. CPUs with AVX-512 VNNI use `vpdpbusd` in place of `maddubs` + `madd`
+//! (same integer sums), and run Q4 two blocks per 512-bit instruction (same products, summed
+//! in another fixed order). Either way a row's result never depends on its tile.
 
 use super::activations::{padded_blocks, QuantBlock, QuantizedRows};
 use std::arch::x86_64::*;
@@ -43,6 +44,20 @@ impl<'a, const R: usize> RowTile<'a, R> {
         _mm256_load_si256(self.quants.add(r * self.blocks + b) as *const __m256i)
     }
 
+    /// Block `b` of the tile's row `r` (blocks of a row are contiguous).
+    #[inline]
+    fn block_ptr(&self, r: usize, b: usize) -> *const QuantBlock {
+        debug_assert!(b < self.blocks);
+        // In bounds: r < R rows of `blocks` blocks from the tile's first row.
+        unsafe { self.quants.add(r * self.blocks + b) }
+    }
+
+    /// The scales of blocks `b..` of the tile's row `r`.
+    #[inline]
+    fn scale_ptr(&self, r: usize, b: usize, blocks: usize) -> *const f32 {
+        self.scales[r * blocks + b..].as_ptr()
+    }
+
     /// `block_scale` × the scale of block `b` of the tile's row `r`, in all lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -55,87 +70,177 @@ impl<'a, const R: usize> RowTile<'a, R> {
     }
 }
 
-/// The tile kernels for one instruction set: `$dot(unsigned, signed)` is the exact i32 sum of
-/// each group of four u8 × i8 products.
-macro_rules! tile_kernels {
-    ($module:ident, $features:literal, $dot:ident) => {
-        pub mod $module {
-            use super::*;
-
-            /// `out[i]` = column `w` · row `first_row + i`, for `i < R`.
-            #[inline]
-            #[target_feature(enable = $features)]
-            pub unsafe fn q8_0_tile<const R: usize>(
-                quants: &[u8],
-                block_scales: &[f32],
-                x: &QuantizedRows,
-                first_row: usize,
-                out: &mut [f32],
-            ) {
-                let blocks = block_scales.len();
-                assert_eq!(quants.len(), blocks * 32);
-                let tile = RowTile::<R>::new(x, first_row, blocks);
-                let mut acc = [_mm256_setzero_ps(); R];
-                for (b, &scale) in block_scales.iter().enumerate() {
-                    let weights = _mm256_load_si256(quants.as_ptr().add(b * 32) as *const __m256i);
-                    let magnitudes = _mm256_sign_epi8(weights, weights);
-                    let scale = _mm256_set1_ps(scale);
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let signed = _mm256_sign_epi8(tile.load(r, b), weights);
-                        let s = tile.scale(scale, r, b, blocks);
-                        let dot = $dot(magnitudes, signed);
-                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
-                    }
-                }
-                for (slot, acc) in out.iter_mut().zip(acc) {
-                    *slot = horizontal_sum(acc);
+/// `q8_0_tile` for one instruction set: `$dot(unsigned, signed)` is the exact i32 sum of each
+/// group of four u8 × i8 products.
+macro_rules! q8_0_tile {
+    ($features:literal, $dot:ident) => {
+        /// `out[i]` = column `w` · row `first_row + i`, for `i < R`.
+        #[inline]
+        #[target_feature(enable = $features)]
+        pub unsafe fn q8_0_tile<const R: usize>(
+            quants: &[u8],
+            block_scales: &[f32],
+            x: &QuantizedRows,
+            first_row: usize,
+            out: &mut [f32],
+        ) {
+            let blocks = block_scales.len();
+            assert_eq!(quants.len(), blocks * 32);
+            let tile = RowTile::<R>::new(x, first_row, blocks);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for (b, &scale) in block_scales.iter().enumerate() {
+                let weights = _mm256_load_si256(quants.as_ptr().add(b * 32) as *const __m256i);
+                let magnitudes = _mm256_sign_epi8(weights, weights);
+                let scale = _mm256_set1_ps(scale);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let signed = _mm256_sign_epi8(tile.load(r, b), weights);
+                    let s = tile.scale(scale, r, b, blocks);
+                    let dot = $dot(magnitudes, signed);
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
                 }
             }
-
-            /// `out[i]` = Σ_b scale_b · (nibbles_b · row `first_row + i`) + Σ_b offset_b ·
-            /// scale_x · Σq_x, for `i < R` (Q4_0 and Q4_1; `offsets` zero-padded to whole
-            /// registers, like the rows' block sums).
-            #[inline]
-            #[target_feature(enable = $features)]
-            pub unsafe fn q4_tile<const R: usize>(
-                quants: &[u8],
-                block_scales: &[f32],
-                offsets: &[f32],
-                x: &QuantizedRows,
-                first_row: usize,
-                out: &mut [f32],
-            ) {
-                let blocks = block_scales.len();
-                assert_eq!(quants.len(), blocks * 16);
-                assert_eq!(offsets.len(), padded_blocks(blocks));
-                let tile = RowTile::<R>::new(x, first_row, blocks);
-                let low_mask = _mm_set1_epi8(0x0F);
-                let mut acc = [_mm256_setzero_ps(); R];
-                for (b, &scale) in block_scales.iter().enumerate() {
-                    let packed = _mm_load_si128(quants.as_ptr().add(b * 16) as *const __m128i);
-                    let low = _mm_and_si128(packed, low_mask);
-                    let high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-                    let nibbles = _mm256_set_m128i(high, low);
-                    let scale = _mm256_set1_ps(scale);
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let s = tile.scale(scale, r, b, blocks);
-                        let dot = $dot(nibbles, tile.load(r, b));
-                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
-                    }
-                }
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let sums = x.row_scaled_sums(first_row + r);
-                    for (o, s) in offsets.chunks_exact(8).zip(sums.chunks_exact(8)) {
-                        let (o, s) = (_mm256_loadu_ps(o.as_ptr()), _mm256_loadu_ps(s.as_ptr()));
-                        *acc = _mm256_fmadd_ps(o, s, *acc);
-                    }
-                }
-                for (slot, acc) in out.iter_mut().zip(acc) {
-                    *slot = horizontal_sum(acc);
-                }
+            for (slot, acc) in out.iter_mut().zip(acc) {
+                *slot = horizontal_sum(acc);
             }
         }
     };
+}
+
+/// Block `b`'s 32 nibbles (element j in the low nibble of byte j, element j + 16 in its high
+/// nibble) as 32 bytes in element order.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4_block(quants: &[u8], b: usize) -> __m256i {
+    let low_mask = _mm_set1_epi8(0x0F);
+    let packed = _mm_load_si128(quants.as_ptr().add(b * 16) as *const __m128i);
+    let low = _mm_and_si128(packed, low_mask);
+    let high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+    _mm256_set_m128i(high, low)
+}
+
+/// Adds each row's Q4 offset term Σ_b offset_b · scale_x · Σq_x into its accumulator, then
+/// reduces the accumulators into `out`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn finish_q4<const R: usize>(
+    mut acc: [__m256; R],
+    offsets: &[f32],
+    x: &QuantizedRows,
+    first_row: usize,
+    out: &mut [f32],
+) {
+    for (r, acc) in acc.iter_mut().enumerate() {
+        let sums = x.row_scaled_sums(first_row + r);
+        for (o, s) in offsets.chunks_exact(8).zip(sums.chunks_exact(8)) {
+            let (o, s) = (_mm256_loadu_ps(o.as_ptr()), _mm256_loadu_ps(s.as_ptr()));
+            *acc = _mm256_fmadd_ps(o, s, *acc);
+        }
+    }
+    for (slot, acc) in out.iter_mut().zip(acc) {
+        *slot = horizontal_sum(acc);
+    }
+}
+
+/// AVX2 + FMA: `maddubs` + `madd`, one block per step.
+pub mod avx2 {
+    use super::*;
+
+    q8_0_tile!("avx2,fma", dot_avx2);
+
+    /// `out[i]` = Σ_b scale_b · (nibbles_b · row `first_row + i`) + Σ_b offset_b · scale_x ·
+    /// Σq_x, for `i < R` (Q4_0 and Q4_1; `offsets` zero-padded to whole registers, like the
+    /// rows' block sums).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_tile<const R: usize>(
+        quants: &[u8],
+        block_scales: &[f32],
+        offsets: &[f32],
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+    ) {
+        let blocks = block_scales.len();
+        assert_eq!(quants.len(), blocks * 16);
+        assert_eq!(offsets.len(), padded_blocks(blocks));
+        let tile = RowTile::<R>::new(x, first_row, blocks);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (b, &scale) in block_scales.iter().enumerate() {
+            let nibbles = q4_block(quants, b);
+            let scale = _mm256_set1_ps(scale);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let s = tile.scale(scale, r, b, blocks);
+                let dot = dot_avx2(nibbles, tile.load(r, b));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
+            }
+        }
+        finish_q4(acc, offsets, x, first_row, out)
+    }
+}
+
+/// AVX-512 VNNI: `vpdpbusd`; Q4 runs two blocks per 512-bit instruction, which halves the
+/// instructions per row (the tile is bound by instruction throughput, not loads).
+pub mod vnni {
+    use super::*;
+
+    q8_0_tile!("avx2,fma,avx512vnni,avx512vl", dot_vnni);
+
+    /// As `avx2::q4_tile`. Block pairs: lanes 0..8 hold block b's four-byte sums, lanes 8..16
+    /// block b + 1's, each scaled by its own weight and activation scales; an odd last block
+    /// runs on 256 bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni,avx512vl")]
+    pub unsafe fn q4_tile<const R: usize>(
+        quants: &[u8],
+        block_scales: &[f32],
+        offsets: &[f32],
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+    ) {
+        let blocks = block_scales.len();
+        assert_eq!(quants.len(), blocks * 16);
+        assert_eq!(offsets.len(), padded_blocks(blocks));
+        let tile = RowTile::<R>::new(x, first_row, blocks);
+        let low_mask = _mm256_set1_epi8(0x0F);
+        // Lanes 0..8 take element 0 of a two-float vector, lanes 8..16 element 1.
+        let pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        let two = |p: *const f32| _mm_castpd_ps(_mm_load_sd(p as *const f64));
+        let mut wide = [_mm512_setzero_ps(); R];
+        for b in (0..blocks - blocks % 2).step_by(2) {
+            let packed = _mm256_loadu_si256(quants.as_ptr().add(b * 16) as *const __m256i);
+            let low = _mm256_and_si256(packed, low_mask);
+            let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
+            let nibbles = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_permute2x128_si256(low, high, 0x20)),
+                _mm256_permute2x128_si256(low, high, 0x31),
+                1,
+            );
+            let weight_scales = two(block_scales.as_ptr().add(b));
+            for (r, acc) in wide.iter_mut().enumerate() {
+                let scales = _mm_mul_ps(weight_scales, two(tile.scale_ptr(r, b, blocks)));
+                let s = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(scales));
+                let row = _mm512_loadu_si512(tile.block_ptr(r, b) as *const __m512i);
+                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles, row);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, *acc);
+            }
+        }
+        let mut acc = wide.map(|w| {
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
+            _mm256_add_ps(_mm512_castps512_ps256(w), high)
+        });
+        if blocks % 2 == 1 {
+            let b = blocks - 1;
+            let nibbles = q4_block(quants, b);
+            let scale = _mm256_set1_ps(block_scales[b]);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let s = tile.scale(scale, r, b, blocks);
+                let dot = dot_vnni(nibbles, tile.load(r, b));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
+            }
+        }
+        finish_q4(acc, offsets, x, first_row, out)
+    }
 }
 
 /// `maddubs` (u8 × i8 pairs → i16; |pair| ≤ 2 · 128 · 127 < 2¹⁵, so never saturating) then
@@ -152,6 +257,3 @@ fn dot_avx2(unsigned: __m256i, signed: __m256i) -> __m256i {
 fn dot_vnni(unsigned: __m256i, signed: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned, signed)
 }
-
-tile_kernels!(avx2, "avx2,fma", dot_avx2);
-tile_kernels!(vnni, "avx2,fma,avx512vnni,avx512vl", dot_vnni);
