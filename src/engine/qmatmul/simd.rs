@@ -118,6 +118,22 @@ unsafe fn q4_block(quants: &[u8], b: usize) -> __m256i {
     _mm256_set_m128i(high, low)
 }
 
+/// Adds Q4 blocks `$blocks_range` of a column into the rows' 256-bit accumulators, one block
+/// per step, with `$dot` as the integer dot product.
+macro_rules! q4_blocks_256 {
+    ($dot:ident, $acc:ident, $quants:ident, $block_scales:ident, $tile:ident, $blocks_range:expr) => {
+        for b in $blocks_range {
+            let nibbles = q4_block($quants, b);
+            let scale = _mm256_set1_ps($block_scales[b]);
+            for (r, acc) in $acc.iter_mut().enumerate() {
+                let s = $tile.scale(scale, r, b, $block_scales.len());
+                let dot = $dot(nibbles, $tile.load(r, b));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
+            }
+        }
+    };
+}
+
 /// Adds each row's Q4 offset term Σ_b offset_b · scale_x · Σq_x into its accumulator, then
 /// reduces the accumulators into `out`.
 #[inline]
@@ -165,15 +181,7 @@ pub mod avx2 {
         assert_eq!(offsets.len(), padded_blocks(blocks));
         let tile = RowTile::<R>::new(x, first_row, blocks);
         let mut acc = [_mm256_setzero_ps(); R];
-        for (b, &scale) in block_scales.iter().enumerate() {
-            let nibbles = q4_block(quants, b);
-            let scale = _mm256_set1_ps(scale);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let s = tile.scale(scale, r, b, blocks);
-                let dot = dot_avx2(nibbles, tile.load(r, b));
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
-            }
-        }
+        q4_blocks_256!(dot_avx2, acc, quants, block_scales, tile, 0..blocks);
         finish_q4(acc, offsets, x, first_row, out)
     }
 }
@@ -207,7 +215,8 @@ pub mod vnni {
         let pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         let two = |p: *const f32| _mm_castpd_ps(_mm_load_sd(p as *const f64));
         let mut wide = [_mm512_setzero_ps(); R];
-        for b in (0..blocks - blocks % 2).step_by(2) {
+        let paired = blocks - blocks % 2;
+        for b in (0..paired).step_by(2) {
             let packed = _mm256_loadu_si256(quants.as_ptr().add(b * 16) as *const __m256i);
             let low = _mm256_and_si256(packed, low_mask);
             let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
@@ -229,16 +238,7 @@ pub mod vnni {
             let high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
             _mm256_add_ps(_mm512_castps512_ps256(w), high)
         });
-        if blocks % 2 == 1 {
-            let b = blocks - 1;
-            let nibbles = q4_block(quants, b);
-            let scale = _mm256_set1_ps(block_scales[b]);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let s = tile.scale(scale, r, b, blocks);
-                let dot = dot_vnni(nibbles, tile.load(r, b));
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
-            }
-        }
+        q4_blocks_256!(dot_vnni, acc, quants, block_scales, tile, paired..blocks);
         finish_q4(acc, offsets, x, first_row, out)
     }
 }
