@@ -1,7 +1,6 @@
 // Row-wise and element-wise steps of the decoder layer.
 
-// out[r] = x[r] / rms(x[r]) * weight, one thread block per row of `dim` (x may alias out:
-// each thread rewrites only the elements it read).
+// out[r] = x[r] / rms(x[r]) * weight, one thread block per row of `dim`.
 extern "C" __global__ void rms_norm(const float* x, const float* weight, float* out, int dim,
                                     float eps) {
     const float* row = x + (long long)blockIdx.x * dim;

@@ -4,7 +4,7 @@
 //! Costs are median single-sequence decode steps, measured alternately in one run.
 
 use super::median;
-use super::prompts::PROMPTS;
+use super::prompts::{first_sentence, PROMPTS};
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
@@ -46,9 +46,7 @@ pub fn run(
     let (mut agree, mut positions) = (0usize, 0usize);
     let (mut model_ms, mut reference_ms) = (Vec::new(), Vec::new());
     for (p, prompt) in PROMPTS.iter().enumerate() {
-        // Prompt = the first sentence; the rest of the text is for the parity tests.
-        let text = prompt.split_inclusive(". ").next().unwrap_or(prompt);
-        let ids = tokenizer.encode(text)?;
+        let ids = tokenizer.encode(first_sentence(prompt))?;
         let seq = p as u64;
         let (mut expected, _) = step_one(reference, seq, ids.clone())?;
         let (mut predicted, _) = step_one(model, seq, ids)?;

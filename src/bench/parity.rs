@@ -2,7 +2,7 @@
 //! fixed prompts decoded together in ragged steps; the tokens must agree. Shows that a backend
 //! computes the same model, not merely a plausible one.
 
-use super::prompts::PROMPTS;
+use super::prompts::{first_sentence, PROMPTS};
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{Needs, SamplingParams, SeqWork, StepExecutor};
 use crate::error::EngineResult;
@@ -62,10 +62,7 @@ pub fn run(
     tokenizer: &ModelTokenizer,
     tokens: usize,
 ) -> EngineResult<ParityReport> {
-    let texts: Vec<&str> = PROMPTS
-        .iter()
-        .map(|p| p.split_inclusive(". ").next().unwrap_or(p))
-        .collect();
+    let texts: Vec<&str> = PROMPTS.iter().map(|p| first_sentence(p)).collect();
     let prompts = texts
         .iter()
         .map(|t| tokenizer.encode(t))

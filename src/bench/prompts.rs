@@ -1,4 +1,4 @@
-//! Fixed English prompts shipped with the code (no downloads), used by the pair benchmark
+//! Fixed English prompts shipped with the code (no downloads), used by `bench pair`, `bench parity`
 //! and the parity tests.
 
 pub const PROMPTS: &[&str] = &[
@@ -6,3 +6,8 @@ pub const PROMPTS: &[&str] = &[
     "To make a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and seven grams of dried yeast in a large bowl. Add about three hundred and fifty millilitres of warm water and stir until a rough dough forms. Turn the dough onto a floured surface and knead it for ten minutes, until it feels smooth and springs back when pressed. Place it in an oiled bowl, cover it with a cloth and leave it somewhere warm for an hour, or until it has doubled in size. Knock the air out, shape it into a loaf and put it into a greased tin. Let it rise for another half hour while the oven heats to two hundred and twenty degrees. Bake for thirty minutes, until the crust is golden and the loaf sounds hollow when tapped underneath. Cool it on a wire rack before slicing, because bread keeps cooking as the steam escapes. If the loaf comes out dense, the dough was probably too dry or did not rise long enough; if it collapses, it rose for too long. Whole wheat flour absorbs more water than white flour, so add a little extra when you swap them, and expect a heavier crumb with a nuttier taste.",
     "A binary search finds an item in a sorted array by repeatedly halving the range that could contain it. Start with two indices, low and high, that cover the whole array. While low is not greater than high, compute the middle index and compare the middle element with the target. If they are equal, the search is over. If the middle element is smaller, the target can only be in the upper half, so move low just past the middle; otherwise move high just before it. Each comparison discards half of the remaining elements, so the search needs at most about log2(n) steps: twenty comparisons are enough for a million items. Common bugs include overflowing when adding the two indices, forgetting that the range is inclusive, and looping forever when the indices stop moving. Writing the loop invariant down before coding helps avoid all three mistakes. A good invariant here says that if the target is present at all, its index lies between low and high. Tests should cover an empty array, a single element, the first and last positions, a missing value smaller than everything and one larger than everything, and arrays with repeated values, where the function may return any matching index unless it promises the first one.",
 ];
+
+/// A prompt's first sentence: the part the benchmarks feed (the rest is for the parity tests).
+pub fn first_sentence(prompt: &str) -> &str {
+    prompt.split_inclusive(". ").next().unwrap_or(prompt)
+}

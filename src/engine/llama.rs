@@ -44,6 +44,21 @@ pub fn inverse_frequencies(weights: &ModelWeights) -> Vec<f32> {
         .collect()
 }
 
+/// Row `token` of a row-major `[vocab, hidden]` embedding table.
+pub fn embedding_row(embedding: &[f32], hidden: usize, token: u32) -> &[f32] {
+    let t = token as usize;
+    &embedding[t * hidden..(t + 1) * hidden]
+}
+
+/// The embedding rows of `tokens`, one after another: `[tokens, hidden]`.
+pub fn embed_tokens(embedding: &[f32], hidden: usize, tokens: &[u32]) -> Vec<f32> {
+    let mut x = Vec::with_capacity(tokens.len() * hidden);
+    for &t in tokens {
+        x.extend_from_slice(embedding_row(embedding, hidden, t));
+    }
+    x
+}
+
 /// Checks a step's batch against the model and the KV it holds, and lays its sequences out as
 /// consecutive row segments. Touches nothing: every backend calls this before reserving KV.
 pub fn plan_step(
@@ -151,19 +166,11 @@ impl LlamaModel {
     }
 
     pub fn embedding_row(&self, token: u32) -> &[f32] {
-        let hidden = self.weights.hp.hidden;
-        let t = token as usize;
-        &self.weights.embedding[t * hidden..(t + 1) * hidden]
+        embedding_row(&self.weights.embedding, self.weights.hp.hidden, token)
     }
 
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        let hidden = self.weights.hp.hidden;
-        let mut x = Vec::with_capacity(tokens.len() * hidden);
-        for &t in tokens {
-            let t = t as usize;
-            x.extend_from_slice(&self.weights.embedding[t * hidden..(t + 1) * hidden]);
-        }
-        x
+        embed_tokens(&self.weights.embedding, self.weights.hp.hidden, tokens)
     }
 
     fn layer(

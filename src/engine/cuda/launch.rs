@@ -35,12 +35,11 @@ fn per_row(rows: usize) -> LaunchConfig {
     }
 }
 
-/// Host-side arguments of one KV layer: its offset in the cache and the row layout.
+/// Where each row of a step attends: its position and its sequence's block table.
 pub struct AttentionRows<'a> {
     pub positions: &'a CudaSlice<i32>,
     pub row_tables: &'a CudaSlice<i32>,
     pub block_table: &'a CudaSlice<i32>,
-    pub rows: usize,
 }
 
 impl Gpu {
@@ -56,14 +55,14 @@ impl Gpu {
         self.stream.alloc_zeros(n).map_err(gpu_error)
     }
 
-    /// `x [rows, dim]` normalised row by row into a new buffer.
+    /// `x [rows, dim]` (whole rows of `weight.len()`) normalised row by row into a new buffer.
     pub fn rms_norm(
         &self,
         x: &CudaSlice<f32>,
         weight: &CudaSlice<f32>,
-        rows: usize,
         eps: f32,
     ) -> EngineResult<CudaSlice<f32>> {
+        let rows = x.len() / weight.len();
         let dim = weight.len() as i32;
         let mut out = self.zeros::<f32>(x.len())?;
         let mut launch = self.stream.launch_builder(&self.kernels.rms_norm);
@@ -217,7 +216,8 @@ impl Gpu {
         kv_heads: usize,
         head_dim: usize,
     ) -> EngineResult<CudaSlice<f32>> {
-        let mut out = self.zeros::<f32>(layout.rows * heads * head_dim)?;
+        let rows = layout.positions.len();
+        let mut out = self.zeros::<f32>(rows * heads * head_dim)?;
         let offset = layer_offset as i64;
         let (heads_arg, kv_heads_arg, dim_arg) = (heads as i32, kv_heads as i32, head_dim as i32);
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -236,7 +236,7 @@ impl Gpu {
             .arg(&dim_arg)
             .arg(&scale);
         let config = LaunchConfig {
-            grid_dim: (heads as u32, layout.rows as u32, 1),
+            grid_dim: (heads as u32, rows as u32, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -10,7 +10,7 @@ mod matrix;
 mod paged_kv;
 
 use super::kv::{KvStore, SeqId};
-use super::llama::{inverse_frequencies, plan_step, Segment};
+use super::llama::{embed_tokens, embedding_row, inverse_frequencies, plan_step, Segment};
 use super::sampling::{self, LogitStats};
 use super::weights::{self, Hyperparams, LayerWeights, ModelWeights};
 use super::{SeqWork, StepExecutor, StepOutput};
@@ -88,7 +88,6 @@ impl StepLayout {
             positions: &self.positions,
             row_tables: &self.row_tables,
             block_table: &self.block_table,
-            rows: self.rows,
         }
     }
 }
@@ -261,12 +260,7 @@ impl DeviceModel {
     ) -> EngineResult<LastPositions> {
         let hp = &self.hp;
         let gpu = &self.gpu;
-        let mut x_host = Vec::with_capacity(tokens.len() * hp.hidden);
-        for &t in tokens {
-            let t = t as usize;
-            x_host.extend_from_slice(&self.embedding[t * hp.hidden..(t + 1) * hp.hidden]);
-        }
-        let mut x = gpu.upload(&x_host)?;
+        let mut x = gpu.upload(&embed_tokens(&self.embedding, hp.hidden, tokens))?;
         for (index, layer) in self.layers.iter().enumerate() {
             self.layer(index, layer, &mut x, layout, paged)?;
         }
@@ -275,7 +269,7 @@ impl DeviceModel {
             .map(|s| (s.first_row + s.rows - 1) as i32)
             .collect();
         let last = gpu.gather_rows(&x, &last_rows, hp.hidden)?;
-        let normed = gpu.rms_norm(&last, &self.final_norm, segments.len(), hp.rms_eps)?;
+        let normed = gpu.rms_norm(&last, &self.final_norm, hp.rms_eps)?;
         let logits = self
             .lm_head
             .matmul(gpu, self.blas.as_ref(), &normed, segments.len())?;
@@ -303,20 +297,19 @@ impl DeviceModel {
     ) -> EngineResult<()> {
         let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
         let rows = layout.rows;
-        let h = gpu.rms_norm(x, &w.attn_norm, rows, hp.rms_eps)?;
-        let [mut q, mut k, v] =
+        let h = gpu.rms_norm(x, &w.attn_norm, hp.rms_eps)?;
+        let [mut q, mut k, mut v] =
             DeviceMatrix::matmul_each(gpu, blas, [&w.wq, &w.wk, &w.wv], &h, rows)?;
-        let mut v = v;
         for (t, bias) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
             if let Some(bias) = bias {
                 gpu.add_bias_rows(t, bias)?;
             }
         }
         if let Some(norm) = &w.q_norm {
-            q = gpu.rms_norm(&q, norm, rows * hp.heads, hp.rms_eps)?;
+            q = gpu.rms_norm(&q, norm, hp.rms_eps)?;
         }
         if let Some(norm) = &w.k_norm {
-            k = gpu.rms_norm(&k, norm, rows * hp.kv_heads, hp.rms_eps)?;
+            k = gpu.rms_norm(&k, norm, hp.rms_eps)?;
         }
         let interleaved = hp.rope_interleaved;
         gpu.rope(
@@ -357,7 +350,7 @@ impl DeviceModel {
         )?;
         gpu.add_in_place(x, &w.wo.matmul(gpu, blas, &attn, rows)?)?;
 
-        let h = gpu.rms_norm(x, &w.ffn_norm, rows, hp.rms_eps)?;
+        let h = gpu.rms_norm(x, &w.ffn_norm, hp.rms_eps)?;
         let [mut gate, up] = DeviceMatrix::matmul_each(gpu, blas, [&w.w_gate, &w.w_up], &h, rows)?;
         gpu.silu_mul(&mut gate, &up)?;
         gpu.add_in_place(x, &w.w_down.matmul(gpu, blas, &gate, rows)?)
@@ -417,7 +410,6 @@ impl StepExecutor for CudaExecutor {
                 let mut top = std::mem::take(&mut last.top[i]);
                 top.truncate(w.needs.top_k);
                 let stats = LogitStats::from_sums(last.sums[i * 3 + 1], last.sums[i * 3 + 2], top);
-                let t = candidate as usize;
                 StepOutput {
                     seq: w.seq,
                     position,
@@ -425,7 +417,7 @@ impl StepExecutor for CudaExecutor {
                     candidate_embedding: w
                         .needs
                         .embedding
-                        .then(|| self.model.embedding[t * hidden..(t + 1) * hidden].to_vec()),
+                        .then(|| embedding_row(&self.model.embedding, hidden, candidate).to_vec()),
                     stats,
                     hidden: w
                         .needs
