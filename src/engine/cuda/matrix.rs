@@ -50,14 +50,14 @@ impl DeviceMatrix {
                 match packed.format() {
                     Int8Format::Q8_0 => {
                         let quants: Vec<i8> =
-                            packed.quant_bytes().iter().map(|&b| b as i8).collect();
+                            packed.block_quants().iter().map(|&b| b as i8).collect();
                         Weights::Q8_0 {
                             quants: gpu.upload(&quants)?,
                             scales,
                         }
                     }
                     Int8Format::Q4_0 | Int8Format::Q4_1 => Weights::Q4 {
-                        quants: gpu.upload(packed.quant_bytes())?,
+                        quants: gpu.upload(&packed.block_quants())?,
                         scales,
                         offsets: gpu.upload(&offsets)?,
                     },

@@ -1,24 +1,29 @@
 //! Activation rows quantized to 8 bits per block of 32 (llama.cpp's `Q8_0` for activations),
 //! so the weight kernels can use integer dot products. Each row is quantized on its own: a
-//! row's quants never depend on the other rows of the step.
+//! row's quants never depend on the other rows of the step. Quants are stored in the grouped
+//! layout of `layout`, the same as the weights', with each lane's block scale beside them.
 
-pub const BLOCK: usize = 32;
+use super::layout::{groups, stored_blocks, Group, BLOCK};
 
-/// One block's quants, aligned so that a 32-byte load never straddles two cache lines.
+/// 64 quant bytes: every row starts on a cache line and every vector load is aligned.
 #[derive(Clone, Copy)]
-#[repr(C, align(32))]
-pub struct QuantBlock(pub [i8; BLOCK]);
+#[repr(C, align(64))]
+pub struct QuantVector(pub [i8; 64]);
 
 pub struct QuantizedRows {
     rows: usize,
     blocks_per_row: usize,
-    /// `[rows, blocks_per_row]`.
-    quants: Vec<QuantBlock>,
-    /// Per block: x ≈ scale · q.
+    groups: Vec<Group>,
+    /// `[rows, stored_blocks / 2]` vectors in the grouped layout.
+    quants: Vec<QuantVector>,
+    /// Per block: x ≈ scale · q, `[rows, stored_blocks]`.
     scales: Vec<f32>,
-    /// Per block: scale · Σq, the block's sum (for weight formats with an offset); each row
-    /// zero-padded to `padded_blocks(blocks_per_row)` so SIMD reads whole lanes.
-    scaled_sums: Vec<f32>,
+    /// Per group, each of its 16 lanes' block scale: `[rows, groups, 16]`.
+    lane_scales: Vec<f32>,
+    /// Per group and lane: the lane's block scale · Σ of the lane's quants (for weight
+    /// formats with an offset, whose term is then one multiply-add per group): `[rows,
+    /// groups, 16]`.
+    lane_sums: Vec<f32>,
 }
 
 impl QuantizedRows {
@@ -29,32 +34,55 @@ impl QuantizedRows {
             k.is_multiple_of(BLOCK) && x.len() == rows * k,
             "activation rows must be whole blocks of {BLOCK}"
         );
-        let blocks = x.len() / BLOCK;
-        let mut quants = vec![QuantBlock([0; BLOCK]); blocks];
-        let mut scales = Vec::with_capacity(blocks);
         let blocks_per_row = k / BLOCK;
-        let sum_stride = padded_blocks(blocks_per_row);
-        let mut scaled_sums = vec![0f32; rows * sum_stride];
-        for (i, (src, QuantBlock(dst))) in x.chunks_exact(BLOCK).zip(quants.iter_mut()).enumerate()
-        {
-            let amax = max_abs(src);
-            let scale = amax / 127.0;
-            let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, v) in dst.iter_mut().zip(src) {
-                *q = (v * inverse).round_ties_even() as i8;
-                sum += *q as i32;
+        let stored = stored_blocks(blocks_per_row);
+        let groups = groups(blocks_per_row);
+        let lanes_per_row = groups.len() * 16;
+        let mut quants = vec![QuantVector([0; 64]); rows * stored / 2];
+        let mut scales = vec![0f32; rows * stored];
+        let mut lane_scales = vec![0f32; rows * lanes_per_row];
+        let mut lane_sums = vec![0f32; rows * lanes_per_row];
+        for (row, src) in x.chunks_exact(k.max(1)).enumerate() {
+            let row_quants = &mut quants[row * stored / 2..(row + 1) * stored / 2];
+            // SAFETY: `QuantVector` is `repr(C)` over `[i8; 64]` with no padding.
+            let row_quants: &mut [i8] = unsafe {
+                std::slice::from_raw_parts_mut(row_quants.as_mut_ptr().cast(), stored * BLOCK)
+            };
+            let lanes = row * lanes_per_row..(row + 1) * lanes_per_row;
+            let (row_lane_scales, row_lane_sums) =
+                (&mut lane_scales[lanes.clone()], &mut lane_sums[lanes]);
+            for group in &groups {
+                let bytes = &mut row_quants[group.first_block * BLOCK..];
+                let lanes_per_block = group.lanes_per_block();
+                for j in 0..group.blocks {
+                    let b = group.first_block + j;
+                    let Some(block) = src.get(b * BLOCK..(b + 1) * BLOCK) else {
+                        break;
+                    };
+                    let (scale, q) = quantize_block(block);
+                    scales[row * stored + b] = scale;
+                    let first_lane = group.index * 16 + j * lanes_per_block;
+                    row_lane_scales[first_lane..first_lane + lanes_per_block].fill(scale);
+                    for (c, chunk) in q.chunks_exact(4).enumerate() {
+                        let position = group.position(j, 4 * c);
+                        bytes[position..position + 4].copy_from_slice(chunk);
+                        let sum: i32 = chunk.iter().map(|&v| v as i32).sum();
+                        row_lane_sums[first_lane + c % lanes_per_block] += sum as f32;
+                    }
+                    for lane in &mut row_lane_sums[first_lane..first_lane + lanes_per_block] {
+                        *lane *= scale;
+                    }
+                }
             }
-            scales.push(scale);
-            let (row, block) = (i / blocks_per_row, i % blocks_per_row);
-            scaled_sums[row * sum_stride + block] = scale * sum as f32;
         }
         Self {
             rows,
             blocks_per_row,
+            groups,
             quants,
             scales,
-            scaled_sums,
+            lane_scales,
+            lane_sums,
         }
     }
 
@@ -62,42 +90,57 @@ impl QuantizedRows {
         self.rows
     }
 
-    pub fn blocks_per_row(&self) -> usize {
-        self.blocks_per_row
+    pub fn stored_blocks(&self) -> usize {
+        stored_blocks(self.blocks_per_row)
     }
 
-    /// All quant blocks, `[rows, blocks_per_row]`.
-    pub fn quants(&self) -> &[QuantBlock] {
-        &self.quants
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
     }
 
-    /// All block scales, `[rows, blocks_per_row]`.
-    pub fn scales(&self) -> &[f32] {
-        &self.scales
-    }
-
-    /// Row `row`'s per-block scale · Σq, `[padded_blocks(blocks_per_row)]` (zeros after the
-    /// last block).
+    /// Row `row`'s quants in the grouped layout, `stored_blocks · 32` bytes.
     #[inline(always)]
-    pub fn row_scaled_sums(&self, row: usize) -> &[f32] {
-        let stride = padded_blocks(self.blocks_per_row);
-        &self.scaled_sums[row * stride..(row + 1) * stride]
+    pub fn row_quants(&self, row: usize) -> &[QuantVector] {
+        let vectors = self.stored_blocks() / 2;
+        &self.quants[row * vectors..(row + 1) * vectors]
     }
 
+    /// Row `row`'s lane scales, `[groups, 16]`.
     #[inline(always)]
-    pub fn block(&self, row: usize, block: usize) -> &[i8; BLOCK] {
-        &self.quants[row * self.blocks_per_row + block].0
+    pub fn row_lane_scales(&self, row: usize) -> &[f32] {
+        let len = self.groups.len() * 16;
+        &self.lane_scales[row * len..(row + 1) * len]
+    }
+
+    /// Row `row`'s lane sums (scale · Σ of the lane's quants), `[groups, 16]`.
+    #[inline(always)]
+    pub fn row_lane_sums(&self, row: usize) -> &[f32] {
+        let len = self.groups.len() * 16;
+        &self.lane_sums[row * len..(row + 1) * len]
+    }
+
+    /// Element `element` of block `block` of the group `group` in row `row`.
+    #[inline(always)]
+    pub fn quant(&self, row: usize, group: Group, block: usize, element: usize) -> i8 {
+        let position = group.first_block * BLOCK + group.position(block, element);
+        self.row_quants(row)[position / 64].0[position % 64]
     }
 
     #[inline(always)]
     pub fn scale(&self, row: usize, block: usize) -> f32 {
-        self.scales[row * self.blocks_per_row + block]
+        self.scales[row * self.stored_blocks() + block]
     }
 }
 
-/// Blocks rounded up to whole groups of eight (one f32 SIMD register).
-pub fn padded_blocks(blocks: usize) -> usize {
-    blocks.next_multiple_of(8)
+/// One block's scale and quants.
+fn quantize_block(block: &[f32]) -> (f32, [i8; BLOCK]) {
+    let scale = max_abs(block) / 127.0;
+    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let mut q = [0i8; BLOCK];
+    for (q, v) in q.iter_mut().zip(block) {
+        *q = (v * inverse).round_ties_even() as i8;
+    }
+    (scale, q)
 }
 
 /// Largest |v| of a block, in eight lanes (vectorises to `vmaxps`).
@@ -115,31 +158,39 @@ fn max_abs(block: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
+    /// Three blocks per row: stored as one four-block group with a zero block.
     #[test]
     fn quantization_round_trips_within_half_a_step() {
-        let x: Vec<f32> = (0..128)
+        let x: Vec<f32> = (0..192)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         let q = QuantizedRows::quantize(&x, 2);
-        assert_eq!((q.rows(), q.blocks_per_row()), (2, 2));
+        assert_eq!((q.rows(), q.stored_blocks()), (2, 4));
+        let group = q.groups()[0];
         for row in 0..2 {
-            for b in 0..2 {
+            for b in 0..3 {
                 let scale = q.scale(row, b);
                 let mut sum = 0f32;
-                for (i, &qi) in q.block(row, b).iter().enumerate() {
-                    let v = x[row * 64 + b * 32 + i];
+                for e in 0..BLOCK {
+                    let qi = q.quant(row, group, b, e);
+                    let v = x[row * 96 + b * 32 + e];
                     assert!((qi as f32 * scale - v).abs() <= scale / 2.0 + 1e-6);
                     sum += qi as f32;
                 }
-                assert!((q.row_scaled_sums(row)[b] - sum * scale).abs() < 1e-4);
+                let lanes = b * 4..(b + 1) * 4;
+                let lane_sum: f32 = q.row_lane_sums(row)[lanes.clone()].iter().sum();
+                assert!((lane_sum - sum * scale).abs() < 1e-4);
+                assert_eq!(q.row_lane_scales(row)[lanes], [scale; 4]);
             }
+            assert!((0..BLOCK).all(|e| q.quant(row, group, 3, e) == 0));
+            assert_eq!((q.scale(row, 3), q.row_lane_scales(row)[12]), (0.0, 0.0));
         }
     }
 
     #[test]
     fn zero_blocks_quantize_to_zero() {
         let q = QuantizedRows::quantize(&[0.0; 32], 1);
-        assert_eq!(q.block(0, 0), &[0i8; 32]);
-        assert_eq!((q.scale(0, 0), q.row_scaled_sums(0)[0]), (0.0, 0.0));
+        assert!(q.row_quants(0).iter().all(|v| v.0 == [0; 64]));
+        assert_eq!((q.scale(0, 0), q.row_lane_sums(0)[0]), (0.0, 0.0));
     }
 }

@@ -3,7 +3,8 @@
 //! reads the weights once rather than B times. Every row keeps its own accumulators and the
 //! same operation sequence whatever its tile, so results never depend on batch-mates.
 
-use super::activations::{padded_blocks, QuantizedRows, BLOCK};
+use super::activations::QuantizedRows;
+use super::layout::{groups, stored_blocks, Group, BLOCK};
 #[cfg(target_arch = "x86_64")]
 use super::simd::{avx2, vnni};
 use candle_core::quantized::GgmlDType;
@@ -66,37 +67,74 @@ impl Int8Format {
 struct Aligned([u8; 32]);
 
 /// A `[n_out, k_in]` matrix repacked from ggml's interleaved blocks into separate arrays:
-/// quants contiguous per output column, scales (and Q4_1 minimums) contiguous beside them, so
-/// a column's headers convert to f32 in a few vector instructions. Same bytes as the file.
+/// each output column's quants in the grouped layout of `layout` (Q4 nibbles paired so one
+/// load unpacks two vectors), scales (and Q4_1 minimums) contiguous beside them, so a
+/// column's headers convert to f32 in a few vector instructions. Columns with an odd block
+/// count get a zero block (scale 0), so every group is whole.
 pub struct PackedInt8 {
     format: Int8Format,
     blocks_per_row: usize,
+    groups: Vec<Group>,
     quants: Vec<Aligned>,
+    /// `[n_out, stored_blocks]`.
     scales: Vec<f16>,
-    /// Q4_1's per-block minimums; empty for the other formats.
+    /// Q4_1's per-block minimums, like `scales`; empty for the other formats.
     mins: Vec<f16>,
 }
 
 impl PackedInt8 {
     /// `bytes` holds `n_out · blocks_per_row` blocks in ggml's layout.
     pub fn from_ggml(format: Int8Format, bytes: &[u8], blocks_per_row: usize) -> Self {
-        let blocks = bytes.len() / format.file_block_bytes();
+        let columns = bytes.len() / format.file_block_bytes() / blocks_per_row.max(1);
+        let stored = stored_blocks(blocks_per_row);
+        let groups = groups(blocks_per_row);
         let quant_bytes = format.quant_bytes();
-        let mut quants = vec![Aligned([0; 32]); (blocks * quant_bytes).div_ceil(32)];
+        let column_bytes = stored * quant_bytes;
+        let mut quants = vec![Aligned([0; 32]); (columns * column_bytes).div_ceil(32)];
         let flat = bytes_mut(&mut quants);
-        let (mut scales, mut mins) = (Vec::with_capacity(blocks), Vec::new());
-        for (b, block) in bytes.chunks_exact(format.file_block_bytes()).enumerate() {
-            let half = |i: usize| f16::from_le_bytes([block[i], block[i + 1]]);
-            scales.push(half(0));
+        // 16 more than stored, so kernels may read a whole register of headers from any group.
+        let headers = columns * stored + 16;
+        let mut scales = vec![f16::ZERO; headers];
+        let mut mins = vec![
+            f16::ZERO;
             if format == Int8Format::Q4_1 {
-                mins.push(half(2));
+                headers
+            } else {
+                0
             }
-            let start = 2 + format.min_bytes();
-            flat[b * quant_bytes..(b + 1) * quant_bytes].copy_from_slice(&block[start..]);
+        ];
+        for (b, block) in bytes.chunks_exact(format.file_block_bytes()).enumerate() {
+            let (col, block_index) = (b / blocks_per_row, b % blocks_per_row);
+            let half = |i: usize| f16::from_le_bytes([block[i], block[i + 1]]);
+            scales[col * stored + block_index] = half(0);
+            if format == Int8Format::Q4_1 {
+                mins[col * stored + block_index] = half(2);
+            }
+            let group = group_of(&groups, block_index);
+            let column = &mut flat[col * column_bytes..(col + 1) * column_bytes];
+            let group_bytes = &mut column[group.first_block * quant_bytes..];
+            let quants = &block[2 + format.min_bytes()..];
+            for element in 0..BLOCK {
+                let position = group.position(block_index - group.first_block, element);
+                match format {
+                    Int8Format::Q8_0 => group_bytes[position] = quants[element],
+                    Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                        let packed = quants[element % (BLOCK / 2)];
+                        let nibble = if element < BLOCK / 2 {
+                            packed & 0x0F
+                        } else {
+                            packed >> 4
+                        };
+                        let (byte, high) = group.nibble_slot(position);
+                        group_bytes[byte] |= if high { nibble << 4 } else { nibble };
+                    }
+                }
+            }
         }
         Self {
             format,
             blocks_per_row,
+            groups,
             quants,
             scales,
             mins,
@@ -107,77 +145,119 @@ impl PackedInt8 {
         self.format
     }
 
-    pub fn block_count(&self) -> usize {
-        self.scales.len()
+    pub fn columns(&self) -> usize {
+        (self.scales.len() - 16) / stored_blocks(self.blocks_per_row).max(1)
     }
 
-    /// Column `col`'s quant bytes.
-    fn column_quants(&self, col: usize) -> &[u8] {
-        let len = self.blocks_per_row * self.format.quant_bytes();
-        &bytes(&self.quants)[col * len..(col + 1) * len]
-    }
-
-    /// Column `col`'s block scales and offsets (weight = scale · q + offset) as f32.
-    fn decode_column(&self, col: usize, scales: &mut [f32], offsets: &mut [f32]) {
-        let blocks = col * self.blocks_per_row..(col + 1) * self.blocks_per_row;
-        widen(&self.scales[blocks.clone()], scales);
-        match self.format {
-            Int8Format::Q8_0 => {}
-            Int8Format::Q4_0 => {
-                for (o, s) in offsets.iter_mut().zip(scales.iter()) {
-                    *o = -8.0 * s;
-                }
-            }
-            Int8Format::Q4_1 => widen(&self.mins[blocks], offsets),
+    /// Output column `col` as the kernels read it.
+    pub fn column(&self, col: usize) -> Column<'_> {
+        let stored = stored_blocks(self.blocks_per_row);
+        let len = stored * self.format.quant_bytes();
+        Column {
+            format: self.format,
+            quants: &bytes(&self.quants)[col * len..(col + 1) * len],
+            scales: &self.scales[col * stored..],
+            mins: self.mins.get(col * stored..).unwrap_or(&[]),
         }
     }
 
-    /// Every block's quant bytes, column after column (`block_count · quant_bytes`).
-    pub fn quant_bytes(&self) -> &[u8] {
-        &bytes(&self.quants)[..self.block_count() * self.format.quant_bytes()]
+    /// The quant of element `element` of block `block` in column `col`: a signed byte for
+    /// Q8_0, a nibble for Q4.
+    fn quant(&self, col: usize, block: usize, element: usize) -> i32 {
+        let group = group_of(&self.groups, block);
+        let position = group.position(block - group.first_block, element);
+        self.column(col).quant(group, position)
+    }
+
+    /// Every block's quant bytes in ggml's order (Q4: element j in the low nibble of byte j,
+    /// element j + 16 in its high nibble), column after column: `[n_out, blocks_per_row,
+    /// quant_bytes]`.
+    pub fn block_quants(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.columns() * self.blocks_per_row * BLOCK);
+        for col in 0..self.columns() {
+            for block in 0..self.blocks_per_row {
+                let q = |e| self.quant(col, block, e);
+                match self.format {
+                    Int8Format::Q8_0 => out.extend((0..BLOCK).map(|e| q(e) as u8)),
+                    Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                        out.extend((0..BLOCK / 2).map(|e| (q(e) | q(e + BLOCK / 2) << 4) as u8))
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Every block's scale and offset as f32, `[n_out, blocks_per_row]` each (weight =
     /// scale · q + offset; offsets are zero for Q8_0).
     pub fn scales_and_offsets(&self) -> (Vec<f32>, Vec<f32>) {
-        let mut scales = vec![0f32; self.block_count()];
-        let mut offsets = vec![0f32; self.block_count()];
-        for (col, (s, o)) in scales
-            .chunks_mut(self.blocks_per_row)
-            .zip(offsets.chunks_mut(self.blocks_per_row))
-            .enumerate()
-        {
-            self.decode_column(col, s, o);
+        let (mut scales, mut offsets) = (Vec::new(), Vec::new());
+        for col in 0..self.columns() {
+            let column = self.column(col);
+            for block in 0..self.blocks_per_row {
+                scales.push(column.scales[block].to_f32());
+                offsets.push(column.offset(block));
+            }
         }
         (scales, offsets)
     }
 
     /// The weights as f32, row-major `[n_out, k_in]`.
     pub fn dequantize(&self) -> Vec<f32> {
-        let quant_bytes = self.format.quant_bytes();
-        let quants = bytes(&self.quants);
-        let mut out = Vec::with_capacity(self.block_count() * BLOCK);
-        for b in 0..self.block_count() {
-            let q = &quants[b * quant_bytes..(b + 1) * quant_bytes];
-            let d = self.scales[b].to_f32();
-            match self.format {
-                Int8Format::Q8_0 => out.extend(q.iter().map(|&v| d * v as i8 as f32)),
-                Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                    let m = self.mins.get(b).map_or(-8.0 * d, |m| m.to_f32());
-                    out.extend(q.iter().map(|&v| d * (v & 0x0F) as f32 + m));
-                    out.extend(q.iter().map(|&v| d * (v >> 4) as f32 + m));
-                }
+        let (scales, offsets) = self.scales_and_offsets();
+        let mut out = Vec::with_capacity(scales.len() * BLOCK);
+        for col in 0..self.columns() {
+            for block in 0..self.blocks_per_row {
+                let b = col * self.blocks_per_row + block;
+                out.extend(
+                    (0..BLOCK).map(|e| scales[b] * self.quant(col, block, e) as f32 + offsets[b]),
+                );
             }
         }
         out
     }
 }
 
-/// f16 → f32, one `vcvtph2ps` per value where the build has F16C (`half`'s slice conversion
-/// goes through a stack copy that stalls store forwarding).
-fn widen(src: &[f16], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = s.to_f32();
+/// The group that holds block `block`.
+fn group_of(groups: &[Group], block: usize) -> Group {
+    *groups
+        .iter()
+        .find(|g| block < g.first_block + g.blocks)
+        .expect("the block lies inside the row")
+}
+
+/// One output column: what every kernel reads.
+pub struct Column<'a> {
+    pub format: Int8Format,
+    /// Quant bytes in the grouped layout (Q8_0 signed, Q4 nibbles).
+    pub quants: &'a [u8],
+    /// Block scales from the column's first block on; at least 16 values past its last
+    /// block are readable (the next column's, or zeros).
+    pub scales: &'a [f16],
+    /// Q4_1's block minimums, readable like `scales`; empty for the other formats.
+    pub mins: &'a [f16],
+}
+
+impl Column<'_> {
+    /// Block `block`'s offset: weight = scale · q + offset.
+    pub fn offset(&self, block: usize) -> f32 {
+        match self.format {
+            Int8Format::Q8_0 => 0.0,
+            Int8Format::Q4_0 => -8.0 * self.scales[block].to_f32(),
+            Int8Format::Q4_1 => self.mins[block].to_f32(),
+        }
+    }
+
+    /// The quant at `position` of group `group`'s unpacked bytes.
+    fn quant(&self, group: Group, position: usize) -> i32 {
+        match self.format {
+            Int8Format::Q8_0 => self.quants[group.first_block * BLOCK + position] as i8 as i32,
+            Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                let (byte, high) = group.nibble_slot(position);
+                let packed = self.quants[group.first_block * BLOCK / 2 + byte];
+                (if high { packed >> 4 } else { packed & 0x0F }) as i32
+            }
+        }
     }
 }
 
@@ -213,7 +293,7 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             use std::is_x86_feature_detected as has;
-            if has!("avx2") && has!("fma") {
+            if has!("avx2") && has!("fma") && has!("f16c") {
                 if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("avx512vl") {
                     all.push(Self::Avx512Vnni);
                 }
@@ -280,74 +360,33 @@ pub fn columns(
     if rows == 0 {
         return;
     }
-    let nb = x.blocks_per_row();
     let cols = out.len() / rows;
-    let mut scales = vec![0f32; nb];
-    let mut offsets = vec![0f32; padded_blocks(nb)];
     for chunk_start in (0..rows).step_by(ROW_CHUNK) {
         let chunk_end = (chunk_start + ROW_CHUNK).min(rows);
         for c in 0..cols {
-            let col = first_col + c;
+            let column = weights.column(first_col + c);
             let out = &mut out[c * rows + chunk_start..c * rows + chunk_end];
-            weights.decode_column(col, &mut scales, &mut offsets);
-            let quants = weights.column_quants(col);
-            match weights.format() {
-                Int8Format::Q8_0 => {
-                    run_kernel!(
-                        kernel,
-                        out,
-                        chunk_start,
-                        q8_0_tile(quants, &scales, x),
-                        q8_0_dot_portable
-                    )
-                }
-                // Σ_b scale_b · (nibbles_b · row) + Σ_b offset_b · scale_x · Σq_x per row.
-                Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                    run_kernel!(
-                        kernel,
-                        out,
-                        chunk_start,
-                        q4_tile(quants, &scales, &offsets, x),
-                        q4_dot_portable
-                    )
-                }
-            }
+            run_kernel!(kernel, out, chunk_start, tile(&column, x), dot_portable);
         }
     }
 }
 
-fn q8_0_dot_portable(quants: &[u8], scales: &[f32], x: &QuantizedRows, row: usize) -> f32 {
+/// Σ_b scale_b · scale_x · (quants_b · row_b) + offset_b · scale_x · Σq_x, block by block.
+fn dot_portable(column: &Column, x: &QuantizedRows, row: usize) -> f32 {
     let mut acc = 0f32;
-    for (b, (block, scale)) in quants.chunks_exact(BLOCK).zip(scales).enumerate() {
-        let dot: i32 = block
-            .iter()
-            .zip(x.block(row, b))
-            .map(|(&w, &q)| w as i8 as i32 * q as i32)
-            .sum();
-        acc += dot as f32 * (scale * x.scale(row, b));
-    }
-    acc
-}
-
-fn q4_dot_portable(
-    quants: &[u8],
-    scales: &[f32],
-    offsets: &[f32],
-    x: &QuantizedRows,
-    row: usize,
-) -> f32 {
-    let mut acc = 0f32;
-    for (o, s) in offsets.iter().zip(x.row_scaled_sums(row)) {
-        acc += o * s;
-    }
-    for (b, (block, scale)) in quants.chunks_exact(BLOCK / 2).zip(scales).enumerate() {
-        let (low, high) = x.block(row, b).split_at(BLOCK / 2);
-        let dot: i32 = block
-            .iter()
-            .zip(low.iter().zip(high))
-            .map(|(&n, (&l, &h))| (n & 0x0F) as i32 * l as i32 + (n >> 4) as i32 * h as i32)
-            .sum();
-        acc += dot as f32 * (scale * x.scale(row, b));
+    for &group in x.groups() {
+        for j in 0..group.blocks {
+            let (mut dot, mut sum) = (0i32, 0i32);
+            for e in 0..BLOCK {
+                let q = x.quant(row, group, j, e) as i32;
+                dot += column.quant(group, group.position(j, e)) * q;
+                sum += q;
+            }
+            let b = group.first_block + j;
+            let scale_x = x.scale(row, b);
+            acc += dot as f32 * (column.scales[b].to_f32() * scale_x);
+            acc += column.offset(b) * (scale_x * sum as f32);
+        }
     }
     acc
 }

@@ -1,13 +1,17 @@
-//! SIMD tiles: one weight column against `R` activation rows. The column's blocks are decoded
-//! once and multiplied into all `R` rows: on AVX2 + FMA with `maddubs` (u8 × i8 pairs → i16)
-//! and `madd` (→ i32), then scaled into per-row f32 lanes. Sums are exact in the integer part
-//! (|pair| ≤ 2 · 128 · 127 < 2¹⁵), and each row's lanes are reduced in one fixed order.
-//! Only the `R` accumulators live in the loop (the Q4 offsets are summed after it), so they
-//! stay in registers. CPUs with AVX-512 VNNI use `vpdpbusd` in place of `maddubs` + `madd`
-//! (same integer sums), and run Q4 two blocks per 512-bit instruction (same products, summed
-//! in another fixed order). Either way a row's result never depends on its tile.
+//! SIMD tiles: one weight column against `R` activation rows, over the grouped layout of
+//! `layout`. Each vector of the column is loaded (and Q4 unpacked) once and multiplied into
+//! all `R` rows; a group's integer sums stay in per-row i32 lanes (exact: a lane sums at most
+//! 8 vectors · 4 products of |u8 · i8| ≤ 255 · 128), then per group and row one multiply and
+//! one multiply-add apply every block's two scales (one block per lane) and one more
+//! multiply-add the block offsets (weight = scale · q + offset) against the row's lane sums.
+//! CPUs with AVX-512 VNNI use 512-bit `vpdpbusd`; AVX2 + FMA runs each vector as two 256-bit
+//! halves with `maddubs` + `madd`. Each row's lanes are reduced in one fixed order, so its
+//! result never depends on its tile.
 
-use super::activations::{padded_blocks, QuantBlock, QuantizedRows};
+use super::activations::QuantizedRows;
+use super::int8::{Column, Int8Format};
+use super::layout::Group;
+use half::f16;
 use std::arch::x86_64::*;
 
 /// Lanes 0..8 summed as ((0+4)+(2+6)) + ((1+5)+(3+7)), the same for every row.
@@ -19,241 +23,372 @@ fn horizontal_sum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
 }
 
-/// Rows `first_row..first_row + R` of `x` as raw pointers, bounds checked once.
-struct RowTile<'a, const R: usize> {
-    quants: *const QuantBlock,
-    scales: &'a [f32],
-    blocks: usize,
-}
-
-impl<'a, const R: usize> RowTile<'a, R> {
-    fn new(x: &'a QuantizedRows, first_row: usize, blocks: usize) -> Self {
-        assert!(first_row + R <= x.rows() && blocks == x.blocks_per_row());
-        Self {
-            // In bounds: rows first_row..first_row + R exist (asserted).
-            quants: x.quants()[first_row * blocks..].as_ptr(),
-            scales: &x.scales()[first_row * blocks..(first_row + R) * blocks],
-            blocks,
-        }
-    }
-
-    /// Block `b` of the tile's row `r`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load(&self, r: usize, b: usize) -> __m256i {
-        _mm256_load_si256(self.quants.add(r * self.blocks + b) as *const __m256i)
-    }
-
-    /// Block `b` of the tile's row `r` (blocks of a row are contiguous).
-    #[inline]
-    fn block_ptr(&self, r: usize, b: usize) -> *const QuantBlock {
-        debug_assert!(b < self.blocks);
-        // In bounds: r < R rows of `blocks` blocks from the tile's first row.
-        unsafe { self.quants.add(r * self.blocks + b) }
-    }
-
-    /// The scales of blocks `b..` of the tile's row `r`.
-    #[inline]
-    fn scale_ptr(&self, r: usize, b: usize, blocks: usize) -> *const f32 {
-        self.scales[r * blocks + b..].as_ptr()
-    }
-
-    /// `block_scale` × the scale of block `b` of the tile's row `r`, in all lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn scale(&self, block_scale: __m256, r: usize, b: usize, blocks: usize) -> __m256 {
-        debug_assert!(r * blocks + b < self.scales.len());
-        _mm256_mul_ps(
-            block_scale,
-            _mm256_broadcast_ss(self.scales.get_unchecked(r * blocks + b)),
-        )
-    }
-}
-
-/// `q8_0_tile` for one instruction set: `$dot(unsigned, signed)` is the exact i32 sum of each
-/// group of four u8 × i8 products.
-macro_rules! q8_0_tile {
-    ($features:literal, $dot:ident) => {
-        /// `out[i]` = column `w` · row `first_row + i`, for `i < R`.
-        #[inline]
-        #[target_feature(enable = $features)]
-        pub unsafe fn q8_0_tile<const R: usize>(
-            quants: &[u8],
-            block_scales: &[f32],
-            x: &QuantizedRows,
-            first_row: usize,
-            out: &mut [f32],
-        ) {
-            let blocks = block_scales.len();
-            assert_eq!(quants.len(), blocks * 32);
-            let tile = RowTile::<R>::new(x, first_row, blocks);
-            let mut acc = [_mm256_setzero_ps(); R];
-            for (b, &scale) in block_scales.iter().enumerate() {
-                let weights = _mm256_load_si256(quants.as_ptr().add(b * 32) as *const __m256i);
-                let magnitudes = _mm256_sign_epi8(weights, weights);
-                let scale = _mm256_set1_ps(scale);
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let signed = _mm256_sign_epi8(tile.load(r, b), weights);
-                    let s = tile.scale(scale, r, b, blocks);
-                    let dot = $dot(magnitudes, signed);
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
-                }
-            }
-            for (slot, acc) in out.iter_mut().zip(acc) {
-                *slot = horizontal_sum(acc);
-            }
-        }
-    };
-}
-
-/// Block `b`'s 32 nibbles (element j in the low nibble of byte j, element j + 16 in its high
-/// nibble) as 32 bytes in element order.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q4_block(quants: &[u8], b: usize) -> __m256i {
-    let low_mask = _mm_set1_epi8(0x0F);
-    let packed = _mm_load_si128(quants.as_ptr().add(b * 16) as *const __m128i);
-    let low = _mm_and_si128(packed, low_mask);
-    let high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-    _mm256_set_m128i(high, low)
-}
-
-/// Adds Q4 blocks `$blocks_range` of a column into the rows' 256-bit accumulators, one block
-/// per step, with `$dot` as the integer dot product.
-macro_rules! q4_blocks_256 {
-    ($dot:ident, $acc:ident, $quants:ident, $block_scales:ident, $tile:ident, $blocks_range:expr) => {
-        for b in $blocks_range {
-            let nibbles = q4_block($quants, b);
-            let scale = _mm256_set1_ps($block_scales[b]);
-            for (r, acc) in $acc.iter_mut().enumerate() {
-                let s = $tile.scale(scale, r, b, $block_scales.len());
-                let dot = $dot(nibbles, $tile.load(r, b));
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, *acc);
-            }
-        }
-    };
-}
-
-/// Adds each row's Q4 offset term Σ_b offset_b · scale_x · Σq_x into its accumulator, then
-/// reduces the accumulators into `out`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn finish_q4<const R: usize>(
-    mut acc: [__m256; R],
-    offsets: &[f32],
-    x: &QuantizedRows,
-    first_row: usize,
-    out: &mut [f32],
-) {
-    for (r, acc) in acc.iter_mut().enumerate() {
-        let sums = x.row_scaled_sums(first_row + r);
-        for (o, s) in offsets.chunks_exact(8).zip(sums.chunks_exact(8)) {
-            let (o, s) = (_mm256_loadu_ps(o.as_ptr()), _mm256_loadu_ps(s.as_ptr()));
-            *acc = _mm256_fmadd_ps(o, s, *acc);
-        }
-    }
+fn reduce<const R: usize>(acc: [__m256; R], out: &mut [f32]) {
     for (slot, acc) in out.iter_mut().zip(acc) {
         *slot = horizontal_sum(acc);
     }
 }
 
-/// AVX2 + FMA: `maddubs` + `madd`, one block per step.
+/// How a tile applies block offsets.
+#[derive(Clone, Copy)]
+enum Offsets<'a> {
+    None,
+    /// offset = factor · scale (Q4_0: −8; unsigned Q8_0: −128).
+    ScaleTimes(f32),
+    /// Stored per block, read like the scales (Q4_1).
+    Mins(&'a [f16]),
+}
+
+impl<'a> Offsets<'a> {
+    /// The column's offsets; `unsigned_q8` when the kernel reads Q8_0 quants as q + 128.
+    fn of(column: &Column<'a>, unsigned_q8: bool) -> Self {
+        match column.format {
+            Int8Format::Q8_0 if unsigned_q8 => Self::ScaleTimes(-128.0),
+            Int8Format::Q8_0 => Self::None,
+            Int8Format::Q4_0 => Self::ScaleTimes(-8.0),
+            Int8Format::Q4_1 => Self::Mins(column.mins),
+        }
+    }
+}
+
+/// Rows `first_row..first_row + R` of `x` as raw pointers, bounds checked once.
+struct RowTile<const R: usize> {
+    quants: *const u8,
+    quant_stride: usize,
+    lanes: *const f32,
+    lane_stride: usize,
+    sums: *const f32,
+}
+
+impl<const R: usize> RowTile<R> {
+    #[inline(always)]
+    fn new(x: &QuantizedRows, first_row: usize) -> Self {
+        assert!(first_row + R <= x.rows());
+        let lane_stride = x.groups().len() * 16;
+        Self {
+            quants: x.row_quants(first_row).as_ptr().cast(),
+            quant_stride: x.stored_blocks() * 32,
+            lanes: x.row_lane_scales(first_row).as_ptr(),
+            lane_stride,
+            sums: x.row_lane_sums(first_row).as_ptr(),
+        }
+    }
+
+    /// Row `r`'s quant bytes from `offset` (callers stay inside the row's
+    /// `stored_blocks · 32` bytes).
+    #[inline(always)]
+    unsafe fn quants(&self, r: usize, offset: usize) -> *const u8 {
+        self.quants.add(r * self.quant_stride + offset)
+    }
+
+    /// Row `r`'s lane scales of group `group` from lane `lane`.
+    #[inline(always)]
+    unsafe fn lane_scales(&self, r: usize, group: Group, lane: usize) -> *const f32 {
+        self.lanes
+            .add(r * self.lane_stride + group.index * 16 + lane)
+    }
+
+    /// Row `r`'s lane sums of group `group` from lane `lane`.
+    #[inline(always)]
+    unsafe fn lane_sums(&self, r: usize, group: Group, lane: usize) -> *const f32 {
+        self.sums
+            .add(r * self.lane_stride + group.index * 16 + lane)
+    }
+}
+
+/// Bytes of group `group`'s vector `vector`, from the row start.
+#[inline(always)]
+fn vector_offset(group: Group, vector: usize) -> usize {
+    group.first_block * 32 + vector * 64
+}
+
+/// AVX2 + FMA: each 64-byte vector as two 256-bit halves, `maddubs` + `madd`.
 pub mod avx2 {
     use super::*;
 
-    q8_0_tile!("avx2,fma", dot_avx2);
-
-    /// `out[i]` = Σ_b scale_b · (nibbles_b · row `first_row + i`) + Σ_b offset_b · scale_x ·
-    /// Σq_x, for `i < R` (Q4_0 and Q4_1; `offsets` zero-padded to whole registers, like the
-    /// rows' block sums).
+    /// Per-block values `values` (from the column's first block) for the 8 lanes of half
+    /// `half` of group `group`'s vectors.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_tile<const R: usize>(
-        quants: &[u8],
-        block_scales: &[f32],
-        offsets: &[f32],
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lane_values(values: &[f16], group: Group, half: usize) -> __m256 {
+        let lanes = group.lanes_per_block();
+        let first = group.first_block + 8 * half / lanes;
+        assert!(first + 8 <= values.len());
+        let blocks = _mm256_srlv_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(lanes.trailing_zeros() as i32),
+        );
+        let wide = _mm256_cvtph_ps(_mm_loadu_si128(values.as_ptr().add(first).cast()));
+        _mm256_permutevar8x32_ps(wide, blocks)
+    }
+
+    /// `out[i]` = column · row `first_row + i`, for `i < R`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile<const R: usize>(
+        column: &Column,
         x: &QuantizedRows,
         first_row: usize,
         out: &mut [f32],
     ) {
-        let blocks = block_scales.len();
-        assert_eq!(quants.len(), blocks * 16);
-        assert_eq!(offsets.len(), padded_blocks(blocks));
-        let tile = RowTile::<R>::new(x, first_row, blocks);
+        match column.format {
+            Int8Format::Q8_0 => q8_0_tile::<R>(column, x, first_row, out),
+            Int8Format::Q4_0 | Int8Format::Q4_1 => q4_tile::<R>(column, x, first_row, out),
+        }
+    }
+
+    /// The group loop: `group_dots(group, half, tile, dots)` adds half `half` of the group's
+    /// integer lane sums into each row's `dots`; this scales them into the accumulators.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn groups<const R: usize>(
+        column: &Column,
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+        mut group_dots: impl FnMut(Group, usize, &RowTile<R>, &mut [__m256i; R]),
+    ) {
+        let tile = RowTile::<R>::new(x, first_row);
+        let offsets = Offsets::of(column, false);
         let mut acc = [_mm256_setzero_ps(); R];
-        q4_blocks_256!(dot_avx2, acc, quants, block_scales, tile, 0..blocks);
-        finish_q4(acc, offsets, x, first_row, out)
+        for &group in x.groups() {
+            for half in 0..2 {
+                let mut dots = [_mm256_setzero_si256(); R];
+                group_dots(group, half, &tile, &mut dots);
+                let lane = 8 * half;
+                let scales = lane_values(column.scales, group, half);
+                let offsets = match offsets {
+                    Offsets::None => None,
+                    Offsets::ScaleTimes(f) => Some(_mm256_mul_ps(scales, _mm256_set1_ps(f))),
+                    Offsets::Mins(mins) => Some(lane_values(mins, group, half)),
+                };
+                for (r, (acc, dot)) in acc.iter_mut().zip(dots).enumerate() {
+                    let row_scales = _mm256_loadu_ps(tile.lane_scales(r, group, lane));
+                    let row = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), row_scales);
+                    *acc = _mm256_fmadd_ps(row, scales, *acc);
+                    if let Some(offsets) = offsets {
+                        let sums = _mm256_loadu_ps(tile.lane_sums(r, group, lane));
+                        *acc = _mm256_fmadd_ps(offsets, sums, *acc);
+                    }
+                }
+            }
+        }
+        reduce(acc, out)
+    }
+
+    /// Q8_0 (signed quants): `sign` moves each weight's sign onto the activation.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0_tile<const R: usize>(
+        column: &Column,
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+    ) {
+        assert_eq!(column.quants.len(), x.stored_blocks() * 32);
+        let quants = column.quants.as_ptr();
+        groups::<R>(column, x, first_row, out, |group, half, tile, dots| {
+            for vector in 0..group.vectors() {
+                let offset = vector_offset(group, vector) + 32 * half;
+                let weights = _mm256_loadu_si256(quants.add(offset).cast());
+                let magnitudes = _mm256_sign_epi8(weights, weights);
+                for (r, dot) in dots.iter_mut().enumerate() {
+                    let row = _mm256_load_si256(tile.quants(r, offset).cast());
+                    let signed = _mm256_sign_epi8(row, weights);
+                    *dot = _mm256_add_epi32(*dot, dot_avx2(magnitudes, signed));
+                }
+            }
+        })
+    }
+
+    /// Q4_0 and Q4_1: 32 packed bytes unpack into half of two vectors (both halves of a
+    /// two-block group's one vector).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_tile<const R: usize>(
+        column: &Column,
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+    ) {
+        assert_eq!(column.quants.len(), x.stored_blocks() * 16);
+        let low_mask = _mm256_set1_epi8(0x0F);
+        let quants = column.quants.as_ptr();
+        groups::<R>(column, x, first_row, out, |group, half, tile, dots| {
+            let packed = quants.add(group.first_block * 16);
+            let mut add = |nibbles: __m256i, vector: usize| {
+                let offset = vector_offset(group, vector) + 32 * half;
+                for (r, dot) in dots.iter_mut().enumerate() {
+                    let row = _mm256_load_si256(tile.quants(r, offset).cast());
+                    *dot = _mm256_add_epi32(*dot, dot_avx2(nibbles, row));
+                }
+            };
+            if group.blocks == 2 {
+                let bytes = _mm256_loadu_si256(packed.cast());
+                let shifted = if half == 0 {
+                    bytes
+                } else {
+                    _mm256_srli_epi16(bytes, 4)
+                };
+                add(_mm256_and_si256(shifted, low_mask), 0);
+            } else {
+                for pair in 0..group.vectors() / 2 {
+                    let bytes = _mm256_loadu_si256(packed.add(pair * 64 + half * 32).cast());
+                    add(_mm256_and_si256(bytes, low_mask), 2 * pair);
+                    let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+                    add(high, 2 * pair + 1);
+                }
+            }
+        })
+    }
+
+    /// `maddubs` (u8 × i8 pairs → i16; |pair| ≤ 2 · 128 · 127 < 2¹⁵, so never saturating)
+    /// then `madd` against ones (→ i32).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn dot_avx2(unsigned: __m256i, signed: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), _mm256_set1_epi16(1))
     }
 }
 
-/// AVX-512 VNNI: `vpdpbusd`; Q4 runs two blocks per 512-bit instruction, which halves the
-/// instructions per row (the tile is bound by instruction throughput, not loads).
+/// AVX-512 VNNI: whole 64-byte vectors through `vpdpbusd` (u8 × i8, four products per lane).
+/// Q8_0 weights are made unsigned (q + 128) and the extra 128 · Σq_x comes off with the
+/// offsets, like Q4_0's 8.
 pub mod vnni {
     use super::*;
 
-    q8_0_tile!("avx2,fma,avx512vnni,avx512vl", dot_vnni);
-
-    /// As `avx2::q4_tile`. Block pairs: lanes 0..8 hold block b's four-byte sums, lanes 8..16
-    /// block b + 1's, each scaled by its own weight and activation scales; an odd last block
-    /// runs on 256 bits.
+    /// Per-block values `values` (from the column's first block), one per lane of group
+    /// `group`'s vectors.
     #[inline]
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni,avx512vl")]
-    pub unsafe fn q4_tile<const R: usize>(
-        quants: &[u8],
-        block_scales: &[f32],
-        offsets: &[f32],
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn lane_values(values: &[f16], group: Group) -> __m512 {
+        assert!(group.first_block + 16 <= values.len());
+        let blocks = _mm512_srlv_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(group.lanes_per_block().trailing_zeros() as i32),
+        );
+        let wide = _mm512_cvtph_ps(_mm256_loadu_si256(
+            values.as_ptr().add(group.first_block).cast(),
+        ));
+        _mm512_permutexvar_ps(blocks, wide)
+    }
+
+    /// As `avx2::tile`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    pub unsafe fn tile<const R: usize>(
+        column: &Column,
         x: &QuantizedRows,
         first_row: usize,
         out: &mut [f32],
     ) {
-        let blocks = block_scales.len();
-        assert_eq!(quants.len(), blocks * 16);
-        assert_eq!(offsets.len(), padded_blocks(blocks));
-        let tile = RowTile::<R>::new(x, first_row, blocks);
-        let low_mask = _mm256_set1_epi8(0x0F);
-        // Lanes 0..8 take element 0 of a two-float vector, lanes 8..16 element 1.
-        let pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        let two = |p: *const f32| _mm_castpd_ps(_mm_load_sd(p as *const f64));
-        let mut wide = [_mm512_setzero_ps(); R];
-        let paired = blocks - blocks % 2;
-        for b in (0..paired).step_by(2) {
-            let packed = _mm256_loadu_si256(quants.as_ptr().add(b * 16) as *const __m256i);
-            let low = _mm256_and_si256(packed, low_mask);
-            let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
-            let nibbles = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_permute2x128_si256(low, high, 0x20)),
-                _mm256_permute2x128_si256(low, high, 0x31),
-                1,
-            );
-            let weight_scales = two(block_scales.as_ptr().add(b));
-            for (r, acc) in wide.iter_mut().enumerate() {
-                let scales = _mm_mul_ps(weight_scales, two(tile.scale_ptr(r, b, blocks)));
-                let s = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(scales));
-                let row = _mm512_loadu_si512(tile.block_ptr(r, b) as *const __m512i);
-                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles, row);
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, *acc);
+        match column.format {
+            Int8Format::Q8_0 => q8_0_tile::<R>(column, x, first_row, out),
+            Int8Format::Q4_0 | Int8Format::Q4_1 => q4_tile::<R>(column, x, first_row, out),
+        }
+    }
+
+    /// As `avx2::groups`, on whole vectors: `group_dots(group, tile, dots)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn groups<const R: usize>(
+        column: &Column,
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+        mut group_dots: impl FnMut(Group, &RowTile<R>, &mut [__m512i; R]),
+    ) {
+        let tile = RowTile::<R>::new(x, first_row);
+        let offsets = Offsets::of(column, true);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for &group in x.groups() {
+            let mut dots = [_mm512_setzero_si512(); R];
+            group_dots(group, &tile, &mut dots);
+            let scales = lane_values(column.scales, group);
+            let offsets = match offsets {
+                Offsets::None => None,
+                Offsets::ScaleTimes(f) => Some(_mm512_mul_ps(scales, _mm512_set1_ps(f))),
+                Offsets::Mins(mins) => Some(lane_values(mins, group)),
+            };
+            for (r, (acc, dot)) in acc.iter_mut().zip(dots).enumerate() {
+                let row_scales = _mm512_loadu_ps(tile.lane_scales(r, group, 0));
+                let row = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), row_scales);
+                *acc = _mm512_fmadd_ps(row, scales, *acc);
+                if let Some(offsets) = offsets {
+                    let sums = _mm512_loadu_ps(tile.lane_sums(r, group, 0));
+                    *acc = _mm512_fmadd_ps(offsets, sums, *acc);
+                }
             }
         }
-        let mut acc = wide.map(|w| {
+        // 16 lanes into 8 (lane i + lane i + 8), then the shared reduction.
+        let acc = acc.map(|w| {
             let high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
             _mm256_add_ps(_mm512_castps512_ps256(w), high)
         });
-        q4_blocks_256!(dot_vnni, acc, quants, block_scales, tile, paired..blocks);
-        finish_q4(acc, offsets, x, first_row, out)
+        reduce(acc, out)
     }
-}
 
-/// `maddubs` (u8 × i8 pairs → i16; |pair| ≤ 2 · 128 · 127 < 2¹⁵, so never saturating) then
-/// `madd` against ones (→ i32).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn dot_avx2(unsigned: __m256i, signed: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), _mm256_set1_epi16(1))
-}
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn q8_0_tile<const R: usize>(
+        column: &Column,
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+    ) {
+        assert_eq!(column.quants.len(), x.stored_blocks() * 32);
+        let bias = _mm512_set1_epi8(i8::MIN);
+        let quants = column.quants.as_ptr();
+        groups::<R>(column, x, first_row, out, |group, tile, dots| {
+            for vector in 0..group.vectors() {
+                let offset = vector_offset(group, vector);
+                let signed = _mm512_loadu_si512(quants.add(offset).cast());
+                let unsigned = _mm512_xor_si512(signed, bias);
+                for (r, dot) in dots.iter_mut().enumerate() {
+                    let row = _mm512_load_si512(tile.quants(r, offset).cast());
+                    *dot = _mm512_dpbusd_epi32(*dot, unsigned, row);
+                }
+            }
+        })
+    }
 
-/// AVX-512 VNNI's `vpdpbusd` on 256-bit registers: the same sums in one instruction.
-#[inline]
-#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-fn dot_vnni(unsigned: __m256i, signed: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned, signed)
+    /// A 64-byte load unpacks into two vectors (32 bytes into a two-block group's one).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn q4_tile<const R: usize>(
+        column: &Column,
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+    ) {
+        assert_eq!(column.quants.len(), x.stored_blocks() * 16);
+        let low_mask = _mm512_set1_epi8(0x0F);
+        let quants = column.quants.as_ptr();
+        groups::<R>(column, x, first_row, out, |group, tile, dots| {
+            let packed = quants.add(group.first_block * 16);
+            let mut add = |nibbles: __m512i, vector: usize| {
+                let offset = vector_offset(group, vector);
+                for (r, dot) in dots.iter_mut().enumerate() {
+                    let row = _mm512_load_si512(tile.quants(r, offset).cast());
+                    *dot = _mm512_dpbusd_epi32(*dot, nibbles, row);
+                }
+            };
+            if group.blocks == 2 {
+                let bytes = _mm256_loadu_si256(packed.cast());
+                let mask = _mm512_castsi512_si256(low_mask);
+                let low = _mm256_and_si256(bytes, mask);
+                let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+                add(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1), 0);
+            } else {
+                for pair in 0..group.vectors() / 2 {
+                    let bytes = _mm512_loadu_si512(packed.add(pair * 64).cast());
+                    add(_mm512_and_si512(bytes, low_mask), 2 * pair);
+                    let high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask);
+                    add(high, 2 * pair + 1);
+                }
+            }
+        })
+    }
 }
