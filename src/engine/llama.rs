@@ -270,32 +270,17 @@ impl LlamaModel {
             let kv_off = kv_head * hd;
             let first_head = kv_head * group;
             let mut out = vec![0f32; seg.rows * group * hd];
-            let mut scores = vec![0f32; group * (seg.first_position + seg.rows)];
+            let mut scores = vec![0f32; seg.first_position + seg.rows];
             for i in 0..seg.rows {
                 let row = seg.first_row + i;
-                let visible = seg.first_position + i + 1;
-                let query = |g: usize| {
+                let scores = &mut scores[..seg.first_position + i + 1];
+                for g in 0..group {
                     let start = row * q_dim + (first_head + g) * hd;
-                    &q[start..start + hd]
-                };
-                for j in 0..visible {
-                    let key = &keys[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
-                    for g in 0..group {
-                        scores[g * visible + j] = ops::dot(query(g), key) * scale;
-                    }
-                }
-                for head_scores in scores[..group * visible].chunks_mut(visible) {
-                    ops::softmax_in_place(head_scores);
-                }
-                let o = &mut out[i * group * hd..(i + 1) * group * hd];
-                for j in 0..visible {
-                    let value = &values[j * kv_dim + kv_off..j * kv_dim + kv_off + hd];
-                    for (g, head_out) in o.chunks_mut(hd).enumerate() {
-                        let p = scores[g * visible + j];
-                        for (od, vd) in head_out.iter_mut().zip(value) {
-                            *od += p * vd;
-                        }
-                    }
+                    let query = &q[start..start + hd];
+                    ops::scaled_dots(query, keys, (kv_dim, kv_off), scale, scores);
+                    ops::softmax_in_place(scores);
+                    let head_out = &mut out[(i * group + g) * hd..(i * group + g + 1) * hd];
+                    ops::add_weighted_rows(scores, values, (kv_dim, kv_off), head_out);
                 }
             }
             out

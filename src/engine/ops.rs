@@ -1,23 +1,186 @@
 //! Small numeric kernels on f32 slices. Each reduces in a fixed order (eight lanes, then the
 //! lanes left to right), so results depend only on the inputs, never on batching or threads.
 
-/// Dot product with eight independent accumulators (vectorisable, deterministic).
+/// Dot product with eight independent fused multiply-add accumulators, reduced by
+/// `sum_lanes` (deterministic).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    let mut lanes = [0f32; 8];
-    let (a8, a_tail) = a.split_at(a.len() / 8 * 8);
-    let (b8, b_tail) = b.split_at(a8.len());
-    for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
-        for i in 0..8 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    let mut sum = lanes.iter().sum::<f32>();
+    let ((a8, a_tail), (b8, b_tail)) = (a.as_chunks::<8>(), b.as_chunks::<8>());
+    let mut sum = dot_lanes(a8, b8);
     for (x, y) in a_tail.iter().zip(b_tail) {
         sum += x * y;
     }
     sum
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+use simd::dot_lanes;
+
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline]
+fn dot_lanes(a: &[[f32; 8]], b: &[[f32; 8]]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (x, y) in a.iter().zip(b) {
+        for i in 0..8 {
+            lanes[i] = x[i].mul_add(y[i], lanes[i]);
+        }
+    }
+    sum_lanes(lanes)
+}
+
+/// Eight lanes summed as ((0+4)+(2+6)) + ((1+5)+(3+7)), a fixed tree.
+#[inline]
+fn sum_lanes(l: [f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+/// `scores[j] = scale · (query · row_j)` with row j at `matrix[j · stride + offset..]`
+/// (attention over a KV cache). Each score is exactly `scale * dot(query, row_j)`.
+pub fn scaled_dots(
+    query: &[f32],
+    matrix: &[f32],
+    (stride, offset): (usize, usize),
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let len = query.len();
+    let row = |j: usize| &matrix[j * stride + offset..j * stride + offset + len];
+    let mut done = 0;
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if len.is_multiple_of(8) {
+        // Eight rows at once: eight independent chains keep both FMA pipes busy.
+        while done + 8 <= scores.len() {
+            let rows = std::array::from_fn(|k| row(done + k));
+            for (score, dot) in scores[done..].iter_mut().zip(simd::dots::<8>(query, rows)) {
+                *score = dot * scale;
+            }
+            done += 8;
+        }
+    }
+    for (j, score) in scores.iter_mut().enumerate().skip(done) {
+        *score = dot(query, row(j)) * scale;
+    }
+}
+
+/// `out += Σ_j weights[j] · row_j` with rows laid out as in `scaled_dots`; each element
+/// accumulates over j in order with fused multiply-adds.
+pub fn add_weighted_rows(
+    weights: &[f32],
+    matrix: &[f32],
+    (stride, offset): (usize, usize),
+    out: &mut [f32],
+) {
+    let len = out.len();
+    let row = |j: usize| &matrix[j * stride + offset..j * stride + offset + len];
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    {
+        if len.is_multiple_of(64) {
+            return simd::add_weighted_rows::<8>(weights, matrix, stride, offset, out);
+        }
+        if len.is_multiple_of(32) {
+            return simd::add_weighted_rows::<4>(weights, matrix, stride, offset, out);
+        }
+    }
+    for (j, &w) in weights.iter().enumerate() {
+        for (o, v) in out.iter_mut().zip(row(j)) {
+            *o = w.mul_add(*v, *o);
+        }
+    }
+}
+
+/// LLVM vectorises the portable loops two lanes wide or through memory; these keep whole
+/// 8-lane registers (same operations per element, so the same results).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod simd {
+    use std::arch::x86_64::*;
+
+    pub fn sum_register(v: __m256) -> f32 {
+        let mut lanes = [0f32; 8];
+        // SAFETY: the build enables AVX (cfg on the module); the store writes 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+        super::sum_lanes(lanes)
+    }
+
+    /// `dot_lanes` for `N` rows at once (independent accumulators).
+    pub fn dots<const N: usize>(query: &[f32], rows: [&[f32]; N]) -> [f32; N] {
+        assert!(rows.iter().all(|r| r.len() == query.len()) && query.len().is_multiple_of(8));
+        // SAFETY: AVX2 + FMA are enabled at build time; every load reads 8 floats inside
+        // `query` or a row (lengths asserted).
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for c in (0..query.len()).step_by(8) {
+                let q = _mm256_loadu_ps(query.as_ptr().add(c));
+                for (acc, row) in acc.iter_mut().zip(rows) {
+                    *acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(row.as_ptr().add(c)), *acc);
+                }
+            }
+            acc.map(sum_register)
+        }
+    }
+
+    pub fn dot_lanes(a: &[[f32; 8]], b: &[[f32; 8]]) -> f32 {
+        // SAFETY: as in `dots4`; loads read whole `[f32; 8]`s.
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            for (x, y) in a.iter().zip(b) {
+                let (x, y) = (_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr()));
+                acc = _mm256_fmadd_ps(x, y, acc);
+            }
+            sum_register(acc)
+        }
+    }
+
+    /// `8 · R` columns at a time in `R` registers, over all rows (`R` chains in flight).
+    pub fn add_weighted_rows<const R: usize>(
+        weights: &[f32],
+        matrix: &[f32],
+        stride: usize,
+        offset: usize,
+        out: &mut [f32],
+    ) {
+        let len = out.len();
+        assert!(len.is_multiple_of(8 * R));
+        assert!(weights.is_empty() || (weights.len() - 1) * stride + offset + len <= matrix.len());
+        // SAFETY: AVX2 + FMA at build time; rows 0..weights.len() lie inside `matrix`
+        // (asserted) and columns stay below `len`.
+        unsafe {
+            for c in (0..len).step_by(8 * R) {
+                let o = out.as_mut_ptr().add(c);
+                let mut acc: [__m256; R] = std::array::from_fn(|k| _mm256_loadu_ps(o.add(8 * k)));
+                for (j, &w) in weights.iter().enumerate() {
+                    let row = matrix.as_ptr().add(j * stride + offset + c);
+                    let w = _mm256_set1_ps(w);
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * k)), *acc);
+                    }
+                }
+                for (k, acc) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(o.add(8 * k), *acc);
+                }
+            }
+        }
+    }
 }
 
 /// `out = x / rms(x) * weight`, row by row (`x` holds whole rows of `weight.len()`).
@@ -54,21 +217,88 @@ pub fn add_bias_rows(x: &mut [f32], bias: &[f32]) {
 /// SwiGLU: `gate <- silu(gate) * up`.
 pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = *g / (1.0 + exp(-*g)) * u;
     }
 }
 
-/// In-place softmax; returns nothing, leaves probabilities summing to one.
+/// In-place softmax; leaves probabilities summing to one. Branch-free passes over eight
+/// lanes, so they vectorise, in a fixed order.
 pub fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
+    let max = max(x);
+    let mut lanes = [0f32; 8];
+    let (x8, tail) = x.split_at_mut(x.len() / 8 * 8);
+    for chunk in x8.chunks_exact_mut(8) {
+        for (s, v) in lanes.iter_mut().zip(chunk) {
+            *v = exp(*v - max);
+            *s += *v;
+        }
+    }
+    let mut sum = sum_lanes(lanes);
+    for v in tail {
+        *v = exp(*v - max);
         sum += *v;
     }
+    let inverse = 1.0 / sum;
     for v in x.iter_mut() {
-        *v /= sum;
+        *v *= inverse;
     }
+}
+
+/// The largest value (−∞ for none), over eight lanes so it vectorises.
+pub fn max(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let (x8, tail) = x.split_at(x.len() / 8 * 8);
+    for chunk in x8.chunks_exact(8) {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = m.max(v);
+        }
+    }
+    tail.iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// With e_i = exp(x_i − shift): (Σ e_i, Σ e_i · (x_i − shift)), over eight lanes each.
+pub fn exp_sums(x: &[f32], shift: f32) -> (f32, f32) {
+    let (mut sums, mut weighted) = ([0f32; 8], [0f32; 8]);
+    let (x8, tail) = x.split_at(x.len() / 8 * 8);
+    for chunk in x8.chunks_exact(8) {
+        for i in 0..8 {
+            let shifted = chunk[i] - shift;
+            let e = exp(shifted);
+            sums[i] += e;
+            weighted[i] = e.mul_add(shifted, weighted[i]);
+        }
+    }
+    let (mut sum, mut weighted) = (sum_lanes(sums), sum_lanes(weighted));
+    for &v in tail {
+        let e = exp(v - shift);
+        sum += e;
+        weighted += e * (v - shift);
+    }
+    (sum, weighted)
+}
+
+/// eˣ to within 2 ulp for x ≤ 88 (flat below −87.3), without branches or calls so loops
+/// over it vectorise: 2ⁿ · p(r) with x = n·ln2 + r, |r| ≤ ln2/2, p a degree-6 polynomial.
+#[inline]
+pub fn exp(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.3, 88.7);
+    let n = (x * std::f32::consts::LOG2_E).round();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let p = r
+        .mul_add(1.0 / 720.0, 1.0 / 120.0)
+        .mul_add(r, 1.0 / 24.0)
+        .mul_add(r, 1.0 / 6.0)
+        .mul_add(r, 0.5)
+        .mul_add(r, 1.0)
+        .mul_add(r, 1.0);
+    // 2ⁿ for n in −126..=128, as two factors so neither overflows nor goes subnormal.
+    let half = (n * 0.5).floor();
+    let two_to = |k: f32| f32::from_bits(((k as i32 + 127) as u32) << 23);
+    p * two_to(half) * two_to(n - half)
 }
 
 /// Index of the largest value; the lowest index wins ties (deterministic greedy decoding).
@@ -92,6 +322,49 @@ mod tests {
         let b: Vec<f32> = (0..19).map(|i| 1.0 - i as f32 * 0.1).collect();
         let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((dot(&a, &b) - naive).abs() < 1e-4);
+    }
+
+    /// Rows of a KV-like matrix: 19 rows (two blocks of eight and a tail), head sizes on
+    /// each SIMD path (64, 32) and off them (12); results equal the one-row definitions
+    /// exactly.
+    #[test]
+    fn attention_helpers_equal_their_definitions() {
+        let (stride, rows) = (80, 19);
+        let matrix: Vec<f32> = (0..stride * rows)
+            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
+            .collect();
+        for (len, offset) in [(64, 16), (32, 3), (12, 5)] {
+            let query: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let row = |j: usize| &matrix[j * stride + offset..j * stride + offset + len];
+            let mut scores = vec![0f32; rows];
+            scaled_dots(&query, &matrix, (stride, offset), 0.125, &mut scores);
+            let want: Vec<f32> = (0..rows).map(|j| dot(&query, row(j)) * 0.125).collect();
+            assert_eq!(scores, want, "len {len}");
+
+            let mut out = vec![0.5f32; len];
+            add_weighted_rows(&scores, &matrix, (stride, offset), &mut out);
+            let mut want = vec![0.5f32; len];
+            for (j, &w) in scores.iter().enumerate() {
+                for (o, v) in want.iter_mut().zip(row(j)) {
+                    *o = w.mul_add(*v, *o);
+                }
+            }
+            assert_eq!(out, want, "len {len}");
+        }
+    }
+
+    #[test]
+    fn exp_matches_libm_within_two_ulp() {
+        for i in -8700..=8800 {
+            let x = i as f32 * 0.01 + 0.003;
+            let (got, want) = (exp(x), x.exp());
+            assert!(
+                (got - want).abs() <= 2.0 * f32::EPSILON * want,
+                "exp({x}) = {got}, libm {want}"
+            );
+        }
+        assert_eq!(exp(-1000.0), exp(-87.3));
+        assert!(exp(-1000.0) < 1e-37);
     }
 
     #[test]

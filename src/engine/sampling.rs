@@ -101,12 +101,7 @@ pub struct LogitStats {
 }
 
 pub fn logit_stats(logits: &[f32], top_k: usize) -> LogitStats {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let (sum_exp, weighted) = logits.iter().fold((0f32, 0f32), |(z, w), &l| {
-        let shifted = l - max;
-        let e = shifted.exp();
-        (z + e, w + e * shifted)
-    });
+    let (sum_exp, weighted) = ops::exp_sums(logits, ops::max(logits));
     LogitStats::from_sums(sum_exp, weighted, top_logits(logits, top_k))
 }
 
