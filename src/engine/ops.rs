@@ -37,10 +37,11 @@ fn dot_lanes(a: &[[f32; 8]], b: &[[f32; 8]]) -> f32 {
     sum_lanes(lanes)
 }
 
-/// Eight lanes summed as ((0+4)+(2+6)) + ((1+5)+(3+7)), a fixed tree.
+/// Eight lanes summed as ((0+1)+(2+3)) + ((4+5)+(6+7)), a fixed tree (the order of a
+/// `hadd` transpose, so eight sums at once give the same results).
 #[inline]
 fn sum_lanes(l: [f32; 8]) -> f32 {
-    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
 /// `scores[j] = scale · (query · row_j)` with row j at `matrix[j · stride + offset..]`
@@ -64,7 +65,7 @@ pub fn scaled_dots(
         // Eight rows at once: eight independent chains keep both FMA pipes busy.
         while done + 8 <= scores.len() {
             let rows = std::array::from_fn(|k| row(done + k));
-            for (score, dot) in scores[done..].iter_mut().zip(simd::dots::<8>(query, rows)) {
+            for (score, dot) in scores[done..].iter_mut().zip(simd::dots8(query, rows)) {
                 *score = dot * scale;
             }
             done += 8;
@@ -122,20 +123,34 @@ mod simd {
         super::sum_lanes(lanes)
     }
 
-    /// `dot_lanes` for `N` rows at once (independent accumulators).
-    pub fn dots<const N: usize>(query: &[f32], rows: [&[f32]; N]) -> [f32; N] {
+    /// `dot_lanes` for eight rows at once: independent accumulators, reduced together by a
+    /// `hadd` transpose in `sum_lanes`' order.
+    pub fn dots8(query: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
         assert!(rows.iter().all(|r| r.len() == query.len()) && query.len().is_multiple_of(8));
         // SAFETY: AVX2 + FMA are enabled at build time; every load reads 8 floats inside
-        // `query` or a row (lengths asserted).
+        // `query` or a row (lengths asserted); the store writes 8 floats.
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); N];
+            let mut acc = [_mm256_setzero_ps(); 8];
             for c in (0..query.len()).step_by(8) {
                 let q = _mm256_loadu_ps(query.as_ptr().add(c));
                 for (acc, row) in acc.iter_mut().zip(rows) {
                     *acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(row.as_ptr().add(c)), *acc);
                 }
             }
-            acc.map(sum_register)
+            // Pairs (0+1), (2+3), then quads, per row; then the two 128-bit halves.
+            let pairs: [__m256; 4] =
+                std::array::from_fn(|k| _mm256_hadd_ps(acc[2 * k], acc[2 * k + 1]));
+            let quads = [
+                _mm256_hadd_ps(pairs[0], pairs[1]),
+                _mm256_hadd_ps(pairs[2], pairs[3]),
+            ];
+            let sums = _mm256_add_ps(
+                _mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                _mm256_permute2f128_ps(quads[0], quads[1], 0x31),
+            );
+            let mut out = [0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), sums);
+            out
         }
     }
 
@@ -286,7 +301,7 @@ pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     let x = x.clamp(-87.3, 88.7);
-    let n = (x * std::f32::consts::LOG2_E).round();
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
     let p = r
         .mul_add(1.0 / 720.0, 1.0 / 120.0)
@@ -295,9 +310,12 @@ pub fn exp(x: f32) -> f32 {
         .mul_add(r, 0.5)
         .mul_add(r, 1.0)
         .mul_add(r, 1.0);
-    // 2ⁿ for n in −126..=128, as two factors so neither overflows nor goes subnormal.
+    // 2ⁿ for n in −126..=128, as two factors so neither overflows nor goes subnormal. The
+    // biased exponent k + 127 is read from the mantissa of k + 127 + 2²³ (an integer float
+    // whose ulp is 1): bit operations only, where `as i32` would add saturation checks that
+    // keep loops from vectorising.
     let half = (n * 0.5).floor();
-    let two_to = |k: f32| f32::from_bits(((k as i32 + 127) as u32) << 23);
+    let two_to = |k: f32| f32::from_bits(((k + (127.0 + 8_388_608.0)).to_bits() & 0x7F_FFFF) << 23);
     p * two_to(half) * two_to(n - half)
 }
 

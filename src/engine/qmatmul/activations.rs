@@ -59,18 +59,26 @@ impl QuantizedRows {
                     let Some(block) = src.get(b * BLOCK..(b + 1) * BLOCK) else {
                         break;
                     };
-                    let (scale, q) = quantize_block(block);
+                    let (scale, q) = quantize_block(block.try_into().expect("a whole block"));
                     scales[row * stored + b] = scale;
-                    let first_lane = group.index * 16 + j * lanes_per_block;
-                    row_lane_scales[first_lane..first_lane + lanes_per_block].fill(scale);
+                    let lanes = group.index * 16 + j * lanes_per_block..;
+                    let lanes = lanes.start..lanes.start + lanes_per_block;
+                    row_lane_scales[lanes.clone()].fill(scale);
+                    // Σ of each four-byte chunk, then of the chunks each lane holds.
+                    let mut chunk_sums = [0i32; BLOCK / 4];
+                    for (sum, chunk) in chunk_sums.iter_mut().zip(q.chunks_exact(4)) {
+                        *sum = chunk.iter().map(|&v| v as i32).sum();
+                    }
+                    let mut lane_sums = [0i32; BLOCK / 4];
+                    for (c, sum) in chunk_sums.iter().enumerate() {
+                        lane_sums[c % lanes_per_block] += sum;
+                    }
+                    for (lane, sum) in row_lane_sums[lanes].iter_mut().zip(lane_sums) {
+                        *lane = scale * sum as f32;
+                    }
                     for (c, chunk) in q.chunks_exact(4).enumerate() {
                         let position = group.position(j, 4 * c);
                         bytes[position..position + 4].copy_from_slice(chunk);
-                        let sum: i32 = chunk.iter().map(|&v| v as i32).sum();
-                        row_lane_sums[first_lane + c % lanes_per_block] += sum as f32;
-                    }
-                    for lane in &mut row_lane_sums[first_lane..first_lane + lanes_per_block] {
-                        *lane *= scale;
                     }
                 }
             }
@@ -133,14 +141,33 @@ impl QuantizedRows {
 }
 
 /// One block's scale and quants.
-fn quantize_block(block: &[f32]) -> (f32, [i8; BLOCK]) {
+fn quantize_block(block: &[f32; BLOCK]) -> (f32, [i8; BLOCK]) {
     let scale = max_abs(block) / 127.0;
     let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    let mut q = [0i8; BLOCK];
-    for (q, v) in q.iter_mut().zip(block) {
-        *q = (v * inverse).round_ties_even() as i8;
+    (scale, round_block(block, inverse).map(|r| r as i8))
+}
+
+/// `round_ties_even(v · inverse)` per element (|result| ≤ 127).
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+fn round_block(block: &[f32; BLOCK], inverse: f32) -> [i32; BLOCK] {
+    block.map(|v| (v * inverse).round_ties_even() as i32)
+}
+
+/// `cvtps2dq` rounds to nearest even (the default rounding mode, which Rust never changes);
+/// the portable `as i32` adds saturation checks that keep LLVM from vectorising.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+fn round_block(block: &[f32; BLOCK], inverse: f32) -> [i32; BLOCK] {
+    use std::arch::x86_64::*;
+    let mut out = [0i32; BLOCK];
+    // SAFETY: AVX2 is enabled at build time; loads and stores stay inside the two arrays.
+    unsafe {
+        let inverse = _mm256_set1_ps(inverse);
+        for k in (0..BLOCK).step_by(8) {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(block.as_ptr().add(k)), inverse);
+            _mm256_storeu_si256(out.as_mut_ptr().add(k).cast(), _mm256_cvtps_epi32(v));
+        }
     }
-    (scale, q)
+    out
 }
 
 /// Largest |v| of a block, in eight lanes (vectorises to `vmaxps`).
