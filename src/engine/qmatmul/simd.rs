@@ -104,6 +104,26 @@ fn vector_offset(group: Group, vector: usize) -> usize {
     group.first_block * 32 + vector * 64
 }
 
+/// An instruction set's `tile`: `out[i]` = column · row `first_row + i`, for `i < R`, by the
+/// module's `q8_0_tile` or `q4_tile`.
+macro_rules! format_dispatch {
+    ($features:literal) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        pub unsafe fn tile<const R: usize>(
+            column: &Column,
+            x: &QuantizedRows,
+            first_row: usize,
+            out: &mut [f32],
+        ) {
+            match column.format {
+                Int8Format::Q8_0 => q8_0_tile::<R>(column, x, first_row, out),
+                Int8Format::Q4_0 | Int8Format::Q4_1 => q4_tile::<R>(column, x, first_row, out),
+            }
+        }
+    };
+}
+
 /// AVX2 + FMA: each 64-byte vector as two 256-bit halves, `maddubs` + `madd`.
 pub mod avx2 {
     use super::*;
@@ -124,20 +144,7 @@ pub mod avx2 {
         _mm256_permutevar8x32_ps(wide, blocks)
     }
 
-    /// `out[i]` = column · row `first_row + i`, for `i < R`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn tile<const R: usize>(
-        column: &Column,
-        x: &QuantizedRows,
-        first_row: usize,
-        out: &mut [f32],
-    ) {
-        match column.format {
-            Int8Format::Q8_0 => q8_0_tile::<R>(column, x, first_row, out),
-            Int8Format::Q4_0 | Int8Format::Q4_1 => q4_tile::<R>(column, x, first_row, out),
-        }
-    }
+    format_dispatch!("avx2,fma,f16c");
 
     /// The group loop: `group_dots(group, half, tile, dots)` adds half `half` of the group's
     /// integer lane sums into each row's `dots`; this scales them into the accumulators.
@@ -275,20 +282,7 @@ pub mod vnni {
         _mm512_permutexvar_ps(blocks, wide)
     }
 
-    /// As `avx2::tile`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
-    pub unsafe fn tile<const R: usize>(
-        column: &Column,
-        x: &QuantizedRows,
-        first_row: usize,
-        out: &mut [f32],
-    ) {
-        match column.format {
-            Int8Format::Q8_0 => q8_0_tile::<R>(column, x, first_row, out),
-            Int8Format::Q4_0 | Int8Format::Q4_1 => q4_tile::<R>(column, x, first_row, out),
-        }
-    }
+    format_dispatch!("avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl");
 
     /// As `avx2::groups`, on whole vectors: `group_dots(group, tile, dots)`.
     #[inline]
