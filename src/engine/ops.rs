@@ -1,5 +1,6 @@
 //! Small numeric kernels on f32 slices. Each reduces in a fixed order (eight lanes, then the
-//! lanes left to right), so results depend only on the inputs, never on batching or threads.
+//! lanes by `sum_lanes`' tree), so results depend only on the inputs, never on batching or
+//! threads.
 
 /// Dot product with eight independent fused multiply-add accumulators, reduced by
 /// `sum_lanes` (deterministic).
@@ -155,7 +156,7 @@ mod simd {
     }
 
     pub fn dot_lanes(a: &[[f32; 8]], b: &[[f32; 8]]) -> f32 {
-        // SAFETY: as in `dots4`; loads read whole `[f32; 8]`s.
+        // SAFETY: as in `dots8`; loads read whole `[f32; 8]`s.
         unsafe {
             let mut acc = _mm256_setzero_ps();
             for (x, y) in a.iter().zip(b) {

@@ -61,19 +61,19 @@ impl QuantizedRows {
                     };
                     let (scale, q) = quantize_block(block.try_into().expect("a whole block"));
                     scales[row * stored + b] = scale;
-                    let lanes = group.index * 16 + j * lanes_per_block..;
-                    let lanes = lanes.start..lanes.start + lanes_per_block;
+                    let first_lane = group.index * 16 + j * lanes_per_block;
+                    let lanes = first_lane..first_lane + lanes_per_block;
                     row_lane_scales[lanes.clone()].fill(scale);
                     // Σ of each four-byte chunk, then of the chunks each lane holds.
                     let mut chunk_sums = [0i32; BLOCK / 4];
                     for (sum, chunk) in chunk_sums.iter_mut().zip(q.chunks_exact(4)) {
                         *sum = chunk.iter().map(|&v| v as i32).sum();
                     }
-                    let mut lane_sums = [0i32; BLOCK / 4];
+                    let mut block_lane_sums = [0i32; BLOCK / 4];
                     for (c, sum) in chunk_sums.iter().enumerate() {
-                        lane_sums[c % lanes_per_block] += sum;
+                        block_lane_sums[c % lanes_per_block] += sum;
                     }
-                    for (lane, sum) in row_lane_sums[lanes].iter_mut().zip(lane_sums) {
+                    for (lane, sum) in row_lane_sums[lanes].iter_mut().zip(block_lane_sums) {
                         *lane = scale * sum as f32;
                     }
                     for (c, chunk) in q.chunks_exact(4).enumerate() {

@@ -92,17 +92,13 @@ impl PackedInt8 {
         let column_bytes = stored * quant_bytes;
         let mut quants = vec![Aligned([0; 32]); (columns * column_bytes).div_ceil(32)];
         let flat = bytes_mut(&mut quants);
-        // 16 more than stored, so kernels may read a whole register of headers from any group.
-        let headers = columns * stored + 16;
-        let mut scales = vec![f16::ZERO; headers];
-        let mut mins = vec![
-            f16::ZERO;
-            if format == Int8Format::Q4_1 {
-                headers
-            } else {
-                0
-            }
-        ];
+        let headers = columns * stored + HEADER_PADDING;
+        let min_count = if format == Int8Format::Q4_1 {
+            headers
+        } else {
+            0
+        };
+        let (mut scales, mut mins) = (vec![f16::ZERO; headers], vec![f16::ZERO; min_count]);
         for (b, block) in bytes.chunks_exact(format.file_block_bytes()).enumerate() {
             let (col, block_index) = (b / blocks_per_row, b % blocks_per_row);
             let half = |i: usize| f16::from_le_bytes([block[i], block[i + 1]]);
@@ -114,19 +110,22 @@ impl PackedInt8 {
             let column = &mut flat[col * column_bytes..(col + 1) * column_bytes];
             let group_bytes = &mut column[group.first_block * quant_bytes..];
             let quants = &block[2 + format.min_bytes()..];
-            for element in 0..BLOCK {
-                let position = group.position(block_index - group.first_block, element);
-                match format {
-                    Int8Format::Q8_0 => group_bytes[position] = quants[element],
-                    Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                        let packed = quants[element % (BLOCK / 2)];
-                        let nibble = if element < BLOCK / 2 {
-                            packed & 0x0F
-                        } else {
-                            packed >> 4
-                        };
-                        let (byte, high) = group.nibble_slot(position);
-                        group_bytes[byte] |= if high { nibble << 4 } else { nibble };
+            // Four consecutive elements sit at four consecutive positions.
+            for element in (0..BLOCK).step_by(4) {
+                let first = group.position(block_index - group.first_block, element);
+                for (e, position) in (element..element + 4).zip(first..) {
+                    match format {
+                        Int8Format::Q8_0 => group_bytes[position] = quants[e],
+                        Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                            let packed = quants[e % (BLOCK / 2)];
+                            let nibble = if e < BLOCK / 2 {
+                                packed & 0x0F
+                            } else {
+                                packed >> 4
+                            };
+                            let (byte, high) = group.nibble_slot(position);
+                            group_bytes[byte] |= if high { nibble << 4 } else { nibble };
+                        }
                     }
                 }
             }
@@ -146,7 +145,7 @@ impl PackedInt8 {
     }
 
     pub fn columns(&self) -> usize {
-        (self.scales.len() - 16) / stored_blocks(self.blocks_per_row).max(1)
+        (self.scales.len() - HEADER_PADDING) / stored_blocks(self.blocks_per_row).max(1)
     }
 
     /// Output column `col` as the kernels read it.
@@ -161,12 +160,21 @@ impl PackedInt8 {
         }
     }
 
-    /// The quant of element `element` of block `block` in column `col`: a signed byte for
-    /// Q8_0, a nibble for Q4.
-    fn quant(&self, col: usize, block: usize, element: usize) -> i32 {
-        let group = group_of(&self.groups, block);
-        let position = group.position(block - group.first_block, element);
-        self.column(col).quant(group, position)
+    /// Calls `f(col, block, quants)` for every block in order, with its 32 quants unpacked
+    /// (signed bytes for Q8_0, nibbles for Q4).
+    fn for_each_block(&self, mut f: impl FnMut(usize, usize, [i32; BLOCK])) {
+        for col in 0..self.columns() {
+            let column = self.column(col);
+            for block in 0..self.blocks_per_row {
+                let group = group_of(&self.groups, block);
+                let j = block - group.first_block;
+                f(
+                    col,
+                    block,
+                    std::array::from_fn(|e| column.quant(group, group.position(j, e))),
+                );
+            }
+        }
     }
 
     /// Every block's quant bytes in ggml's order (Q4: element j in the low nibble of byte j,
@@ -174,17 +182,12 @@ impl PackedInt8 {
     /// quant_bytes]`.
     pub fn block_quants(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.columns() * self.blocks_per_row * BLOCK);
-        for col in 0..self.columns() {
-            for block in 0..self.blocks_per_row {
-                let q = |e| self.quant(col, block, e);
-                match self.format {
-                    Int8Format::Q8_0 => out.extend((0..BLOCK).map(|e| q(e) as u8)),
-                    Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                        out.extend((0..BLOCK / 2).map(|e| (q(e) | q(e + BLOCK / 2) << 4) as u8))
-                    }
-                }
+        self.for_each_block(|_, _, q| match self.format {
+            Int8Format::Q8_0 => out.extend(q.map(|v| v as u8)),
+            Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                out.extend((0..BLOCK / 2).map(|e| (q[e] | q[e + BLOCK / 2] << 4) as u8))
             }
-        }
+        });
         out
     }
 
@@ -206,17 +209,17 @@ impl PackedInt8 {
     pub fn dequantize(&self) -> Vec<f32> {
         let (scales, offsets) = self.scales_and_offsets();
         let mut out = Vec::with_capacity(scales.len() * BLOCK);
-        for col in 0..self.columns() {
-            for block in 0..self.blocks_per_row {
-                let b = col * self.blocks_per_row + block;
-                out.extend(
-                    (0..BLOCK).map(|e| scales[b] * self.quant(col, block, e) as f32 + offsets[b]),
-                );
-            }
-        }
+        self.for_each_block(|col, block, q| {
+            let b = col * self.blocks_per_row + block;
+            out.extend(q.map(|v| scales[b] * v as f32 + offsets[b]));
+        });
         out
     }
 }
+
+/// Header values (scales, minimums) past the last column, so kernels may read a whole
+/// register of them from any group.
+const HEADER_PADDING: usize = 16;
 
 /// The group that holds block `block`.
 fn group_of(groups: &[Group], block: usize) -> Group {
@@ -231,8 +234,8 @@ pub struct Column<'a> {
     pub format: Int8Format,
     /// Quant bytes in the grouped layout (Q8_0 signed, Q4 nibbles).
     pub quants: &'a [u8],
-    /// Block scales from the column's first block on; at least 16 values past its last
-    /// block are readable (the next column's, or zeros).
+    /// Block scales from the column's first block on; at least `HEADER_PADDING` values past
+    /// its last block are readable (the next column's, or zeros).
     pub scales: &'a [f16],
     /// Q4_1's block minimums, readable like `scales`; empty for the other formats.
     pub mins: &'a [f16],

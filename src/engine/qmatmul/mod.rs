@@ -363,7 +363,7 @@ mod tests {
                 for kernel in Kernel::available() {
                     let got = w.matmul_with(kernel, &x, rows);
                     for (a, b) in got.iter().zip(&portable) {
-                        assert!((a - b).abs() < 2e-5, "{dtype:?} {kernel:?}: {a} vs {b}");
+                        assert!((a - b).abs() < 1e-5, "{dtype:?} {kernel:?}: {a} vs {b}");
                     }
                 }
             }
