@@ -63,24 +63,30 @@ fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
     }
 }
 
-/// A ragged decode batch on one executor: sequences `0..batch`, row i with a context of
-/// `context + 3·i` tokens.
+/// A ragged decode batch on one executor: sequences `first_seq..first_seq + batch`, row i
+/// with a context of `context + 3·i` tokens.
 struct DecodeBatch {
+    first_seq: u64,
     next: Vec<u32>,
 }
 
 impl DecodeBatch {
-    fn start(executor: &mut dyn StepExecutor, batch: usize, context: usize) -> EngineResult<Self> {
+    fn start(
+        executor: &mut dyn StepExecutor,
+        first_seq: u64,
+        batch: usize,
+        context: usize,
+    ) -> EngineResult<Self> {
         let vocab = executor.vocab_size();
         let prompts: Vec<SeqWork> = (0..batch)
-            .map(|i| work(i as u64, filler(context + 3 * i, i, vocab)))
+            .map(|i| work(first_seq + i as u64, filler(context + 3 * i, i, vocab)))
             .collect();
         let next = executor
             .step(&prompts)?
             .iter()
             .map(|o| o.candidate)
             .collect();
-        Ok(Self { next })
+        Ok(Self { first_seq, next })
     }
 
     /// One decode step over every row; its wall time in ms.
@@ -89,7 +95,7 @@ impl DecodeBatch {
             .next
             .iter()
             .enumerate()
-            .map(|(i, &t)| work(i as u64, vec![t]))
+            .map(|(i, &t)| work(self.first_seq + i as u64, vec![t]))
             .collect();
         let start = Instant::now();
         let out = executor.step(&decode)?;
@@ -116,9 +122,42 @@ impl DecodeBatch {
 
     fn finish(self, executor: &mut dyn StepExecutor) {
         for i in 0..self.next.len() {
-            executor.free(i as u64);
+            executor.free(self.first_seq + i as u64);
         }
     }
+}
+
+/// Median step time per batch size, the sizes stepped in turn (one step of each per round,
+/// two warm-up rounds), so a burst of load on this shared machine hits every size alike and
+/// the ratios between sizes stay measured side by side.
+fn interleaved_median_step_ms(
+    executor: &mut dyn StepExecutor,
+    settings: &EngineBenchSettings,
+) -> EngineResult<Vec<f64>> {
+    let mut decodes = Vec::with_capacity(settings.batches.len());
+    let mut first_seq = 0;
+    for &batch in &settings.batches {
+        decodes.push(DecodeBatch::start(
+            executor,
+            first_seq,
+            batch,
+            settings.context,
+        )?);
+        first_seq += batch as u64;
+    }
+    let mut times = vec![Vec::with_capacity(settings.steps); decodes.len()];
+    for round in 0..settings.steps + 2 {
+        for (decode, times) in decodes.iter_mut().zip(&mut times) {
+            let elapsed = decode.step(executor)?;
+            if round >= 2 {
+                times.push(elapsed);
+            }
+        }
+    }
+    for decode in decodes {
+        decode.finish(executor);
+    }
+    Ok(times.iter_mut().map(|t| median(t)).collect())
 }
 
 pub fn run(
@@ -128,17 +167,17 @@ pub fn run(
     settings: &EngineBenchSettings,
 ) -> EngineResult<EngineBenchReport> {
     let vocab = executor.vocab_size();
-    let mut rows = Vec::new();
-    for &batch in &settings.batches {
-        let mut decode = DecodeBatch::start(executor, batch, settings.context)?;
-        let step_ms = decode.median_step_ms(executor, settings.steps)?;
-        decode.finish(executor);
-        rows.push(EngineBenchRow {
+    let step_ms = interleaved_median_step_ms(executor, settings)?;
+    let rows: Vec<EngineBenchRow> = settings
+        .batches
+        .iter()
+        .zip(step_ms)
+        .map(|(&batch, step_ms)| EngineBenchRow {
             batch,
             step_ms_median: step_ms,
             tokens_per_s: batch as f64 * 1e3 / step_ms,
-        });
-    }
+        })
+        .collect();
     // The tuner's own fit (least squares, clamped to a, c ≥ 0), so the profile it reads back
     // is the law it would have fitted online.
     let samples: Vec<(usize, f64)> = rows.iter().map(|r| (r.batch, r.step_ms_median)).collect();
@@ -224,7 +263,7 @@ pub fn concurrent(
     for &batch in &settings.batches {
         let mut alone = [0f64; 2];
         for (slot, executor) in alone.iter_mut().zip([&mut *a, &mut *b]) {
-            let mut decode = DecodeBatch::start(executor, batch, settings.context)?;
+            let mut decode = DecodeBatch::start(executor, 0, batch, settings.context)?;
             *slot = decode.median_step_ms(executor, settings.steps)?;
             decode.finish(executor);
         }
@@ -233,7 +272,7 @@ pub fn concurrent(
             let handles = [&mut *a, &mut *b].map(|executor| {
                 let finished = &finished;
                 scope.spawn(move || -> EngineResult<f64> {
-                    let mut decode = DecodeBatch::start(executor, batch, settings.context)?;
+                    let mut decode = DecodeBatch::start(executor, 0, batch, settings.context)?;
                     let mut times = Vec::new();
                     while times.len() < settings.steps || finished.load(Ordering::SeqCst) < 2 {
                         times.push(decode.step(executor)?);
