@@ -42,8 +42,8 @@ where
 
 /// Fills row-major outputs (`outs[i]` is `[rows, n_out_i]`) by column ranges of at most
 /// `cols_per_task`, all outputs' ranges in one parallel region: `f(i, columns, buffer)` writes
-/// output `i`'s range column-major (`[columns, rows]`) into `buffer`, and the task scatters it
-/// into the output itself, so the transpose runs in parallel and in cache.
+/// output `i`'s range row-major (`[rows, columns]`) into a task-local `buffer` (its writes
+/// stay in cache), and the task copies each row's segment into the output.
 pub fn fill_columns<F>(outs: &mut [Vec<f32>], rows: usize, cols_per_task: usize, f: F)
 where
     F: Fn(usize, Range<usize>, &mut [f32]) + Sync + Send,
@@ -68,15 +68,11 @@ where
         let (target, n_out) = &targets[i];
         let mut buffer = vec![0f32; columns.len() * rows];
         f(i, columns.clone(), &mut buffer);
-        // Row by row, so the stores to the (large) output run along its rows; the strided
-        // reads stay in the task's small buffer.
-        for r in 0..rows {
-            for c in 0..columns.len() {
-                // SAFETY: `r < rows` and `columns.start + c < n_out`, so the index is inside
-                // output `i`; tasks own disjoint column ranges, so no element is written
-                // twice, and the outputs are borrowed mutably for the whole call.
-                unsafe { target.write(r * n_out + columns.start + c, buffer[c * rows + r]) };
-            }
+        for (r, segment) in buffer.chunks_exact(columns.len()).enumerate() {
+            // SAFETY: `r < rows` and `columns.end <= n_out`, so the segment is inside output
+            // `i`; tasks own disjoint column ranges, so no element is written twice, and the
+            // outputs are borrowed mutably for the whole call.
+            unsafe { target.write_segment(r * n_out + columns.start, segment) };
         }
     };
     if in_pool() {
@@ -93,9 +89,10 @@ unsafe impl Sync for SharedColumns {}
 
 impl SharedColumns {
     /// # Safety
-    /// `index` is inside the buffer and no other thread touches that element meanwhile.
-    unsafe fn write(&self, index: usize, value: f32) {
-        *self.0.add(index) = value;
+    /// `start..start + values.len()` is inside the buffer and no other thread touches those
+    /// elements meanwhile.
+    unsafe fn write_segment(&self, start: usize, values: &[f32]) {
+        std::ptr::copy_nonoverlapping(values.as_ptr(), self.0.add(start), values.len());
     }
 }
 
@@ -135,8 +132,8 @@ mod tests {
         let run = || {
             let mut outs = vec![vec![f32::NAN; rows * n_out], vec![f32::NAN; rows * 5]];
             fill_columns(&mut outs, rows, 4, |i, columns, buffer| {
-                for (c, column) in columns.zip(buffer.chunks_mut(rows)) {
-                    for (r, v) in column.iter_mut().enumerate() {
+                for (r, row) in buffer.chunks_mut(columns.len()).enumerate() {
+                    for (c, v) in columns.clone().zip(row) {
                         *v = (i * 1000 + r * 100 + c) as f32;
                     }
                 }

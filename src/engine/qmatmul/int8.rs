@@ -310,13 +310,13 @@ impl Kernel {
 
 /// Columns `first..first + C` against rows `rows` with a SIMD module's `tile`, over row
 /// tiles of the listed sizes, largest first (sizes are constants, so the accumulators live in
-/// registers). `out` holds the columns `[C, stride]` from column `first`.
+/// registers). `out` holds the rows `[rows, stride]` from column `first`.
 macro_rules! column_tile {
     ($module:ident::<C = $c:literal, R = $($r:literal)|+>, $weights:expr, $first:expr, $x:expr, $rows:expr, $out:expr, $stride:expr) => {{
         let columns: [Column; $c] = std::array::from_fn(|i| $weights.column($first + i));
         let mut row = $rows.start;
         while row < $rows.end {
-            let (remaining, out) = ($rows.end - row, &mut $out[row..]);
+            let (remaining, out) = ($rows.end - row, &mut $out[row * $stride..]);
             row += $(if remaining >= $r {
                 $module::tile::<$r, $c>(&columns, $x, row, out, $stride);
                 $r
@@ -333,7 +333,7 @@ macro_rules! column_tile {
 const ROW_CHUNK: usize = 64;
 
 /// Dot products of weight rows (output columns) `first_col..` with every activation row, into
-/// `out` laid out `[columns, rows]` (column-major: one column's rows are contiguous).
+/// `out` laid out `[rows, columns]`.
 ///
 /// Tile shapes, measured on Zen 4 (1 thread, SmolLM2-sized Q4_1 matrices): with VNNI, two
 /// columns of up to four rows share each activation load (B = 8: 400 → 376 µs a layer from
@@ -358,26 +358,26 @@ pub fn columns(
         let chunk = chunk_start..(chunk_start + ROW_CHUNK).min(rows);
         let mut c = 0;
         while c < cols {
-            let (first, out) = (first_col + c, &mut out[c * rows..]);
+            let (first, out) = (first_col + c, &mut out[c..]);
             c += match kernel {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `available` lists a SIMD kernel only where its features were detected.
                 Kernel::Avx512Vnni => unsafe {
                     if cols - c >= 2 && chunk.len() >= 2 {
-                        column_tile!(vnni::<C = 2, R = 4 | 2 | 1>, weights, first, x, chunk, out, rows)
+                        column_tile!(vnni::<C = 2, R = 4 | 2 | 1>, weights, first, x, chunk, out, cols)
                     } else {
-                        column_tile!(vnni::<C = 1, R = 8 | 4 | 2 | 1>, weights, first, x, chunk, out, rows)
+                        column_tile!(vnni::<C = 1, R = 8 | 4 | 2 | 1>, weights, first, x, chunk, out, cols)
                     }
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 Kernel::Avx2 => unsafe {
-                    column_tile!(avx2::<C = 1, R = 8 | 4 | 2 | 1>, weights, first, x, chunk, out, rows)
+                    column_tile!(avx2::<C = 1, R = 8 | 4 | 2 | 1>, weights, first, x, chunk, out, cols)
                 },
                 Kernel::Portable => {
                     let column = weights.column(first);
                     for row in chunk.clone() {
-                        out[row] = dot_portable(&column, x, row);
+                        out[row * cols] = dot_portable(&column, x, row);
                     }
                     1
                 }

@@ -24,7 +24,7 @@ pub struct Group {
 impl Group {
     /// Lanes of each vector that hold one block's products.
     pub fn lanes_per_block(self) -> usize {
-        LANES / self.blocks
+        LANES >> self.blocks.trailing_zeros()
     }
 
     /// 64-byte vectors the group spans (32 bytes per block).
@@ -36,9 +36,12 @@ impl Group {
     /// bytes: vector `chunk / lanes_per_block`, lane `block · lanes_per_block + chunk %
     /// lanes_per_block`, for the element's four-byte chunk `chunk`.
     pub fn position(self, block: usize, element: usize) -> usize {
+        // Shifts and masks: `lanes` is a power of two (a division here dominated quantizing
+        // the activations).
         let lanes = self.lanes_per_block();
         let chunk = element / 4;
-        (chunk / lanes) * 64 + (block * lanes + chunk % lanes) * 4 + element % 4
+        let (vector, lane) = (chunk >> lanes.trailing_zeros(), chunk & (lanes - 1));
+        vector * 64 + (block * lanes + lane) * 4 + element % 4
     }
 
     /// Where byte `position` of the group's unpacked Q4 nibbles sits among its `16 · blocks`

@@ -243,11 +243,11 @@ impl QWeight {
         }
         let outs = std::slice::from_mut(out);
         parallel::fill_columns(outs, rows, self.columns_per_task(), |_, columns, buffer| {
-            for (column, out) in columns.zip(buffer.chunks_mut(rows)) {
+            let width = columns.len();
+            for (c, column) in columns.enumerate() {
                 let w = &weight[column * row_blocks..(column + 1) * row_blocks];
-                for (row, slot) in out.iter_mut().enumerate() {
-                    let xq = &x_quant[row * row_blocks..(row + 1) * row_blocks];
-                    *slot = T::vec_dot(self.k_in, w, xq);
+                for (row, xq) in x_quant.chunks(row_blocks).enumerate() {
+                    buffer[row * width + c] = T::vec_dot(self.k_in, w, xq);
                 }
             }
         });

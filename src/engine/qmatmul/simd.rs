@@ -26,13 +26,13 @@ fn horizontal_sum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
 }
 
-/// Column `c`'s row `r` into `out[c · stride + r]`.
+/// Column `c`'s row `r` into `out[r · stride + c]`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn reduce<const R: usize, const C: usize>(acc: [[__m256; R]; C], out: &mut [f32], stride: usize) {
     for (c, acc) in acc.into_iter().enumerate() {
-        for (slot, acc) in out[c * stride..c * stride + R].iter_mut().zip(acc) {
-            *slot = horizontal_sum(acc);
+        for (r, acc) in acc.into_iter().enumerate() {
+            out[r * stride + c] = horizontal_sum(acc);
         }
     }
 }
@@ -110,7 +110,7 @@ fn vector_offset(group: Group, vector: usize) -> usize {
     group.first_block * 32 + vector * 64
 }
 
-/// An instruction set's `tile`: `out[c · stride + i]` = `columns[c]` · row `first_row + i`,
+/// An instruction set's `tile`: `out[i · stride + c]` = `columns[c]` · row `first_row + i`,
 /// for `c < C`, `i < R`, by the module's `q8_0_tile` or `q4_tile` (the columns share a
 /// format: they come from one matrix).
 macro_rules! format_dispatch {
