@@ -3,8 +3,8 @@
 // are visited in order with an online softmax, so no score buffer grows with the context.
 #define MAX_DIMS_PER_LANE 8
 
-extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
-                                           const float* v_cache, float* out,
+extern "C" __global__ void paged_attention(const float* q, const unsigned short* k_cache,
+                                           const unsigned short* v_cache, float* out,
                                            const int* row_positions, const int* row_tables,
                                            const int* block_table, long long layer_offset,
                                            int heads, int kv_heads, int head_dim, float scale) {
@@ -27,7 +27,7 @@ extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
         float partial = 0.0f;
         for (int t = 0; t < MAX_DIMS_PER_LANE; t++) {
             const int d = lane + 32 * t;
-            if (d < head_dim) partial += qv[t] * k_cache[at + d];
+            if (d < head_dim) partial += qv[t] * from_kv(k_cache[at + d]);
         }
         const float score = warp_sum(partial) * scale;
         const float new_max = fmaxf(running_max, score);
@@ -36,7 +36,7 @@ extern "C" __global__ void paged_attention(const float* q, const float* k_cache,
         denominator = denominator * correction + p;
         for (int t = 0; t < MAX_DIMS_PER_LANE; t++) {
             const int d = lane + 32 * t;
-            if (d < head_dim) acc[t] = acc[t] * correction + p * v_cache[at + d];
+            if (d < head_dim) acc[t] = acc[t] * correction + p * from_kv(v_cache[at + d]);
         }
         running_max = new_max;
     }

@@ -6,6 +6,20 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// The KV cache holds f16 bits (like the CPU cache); PTX conversions, since NVRTC compiles
+// without cuda_fp16.h.
+__device__ __forceinline__ unsigned short to_kv(float v) {
+    unsigned short bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+    return bits;
+}
+
+__device__ __forceinline__ float from_kv(unsigned short bits) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"(bits));
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;

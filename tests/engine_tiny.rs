@@ -105,9 +105,12 @@ fn gguf_forward_matches_candle_transformers_for_every_family() {
         let tokens = prompt(24, 1);
         let ours = logits_per_position(&mut load(&path), 1, &tokens);
         let reference = candle_reference_logits(&path, arch, &tokens);
+        // Our KV cache holds f16 (candle's f32): keys and values round to 11 bits, which
+        // moves these logits (|logit| up to ~7) by up to 5.3e-3; a wrong forward pass moves
+        // them by tenths.
         for (pos, (a, b)) in ours.iter().zip(&reference).enumerate() {
             let diff = max_abs_diff(a, b);
-            assert!(diff < 2e-3, "{arch:?} position {pos}: max |Δlogit| {diff}");
+            assert!(diff < 1e-2, "{arch:?} position {pos}: max |Δlogit| {diff}");
         }
     }
 }

@@ -3,6 +3,7 @@
 //! scheduler can act on (wait, preempt, reject), never a half-applied step.
 
 use crate::error::{EngineError, EngineResult};
+use half::f16;
 use std::collections::HashMap;
 
 pub type SeqId = u64;
@@ -10,12 +11,14 @@ pub type SeqId = u64;
 /// Tokens per allocation block.
 pub const BLOCK_TOKENS: usize = 16;
 
-/// One sequence's keys and values: per layer, row-major `[position, kv_heads * head_dim]`.
+/// One sequence's keys and values: per layer, row-major `[position, kv_heads * head_dim]`,
+/// in f16: attention reads a sequence's whole cache every step, so half the bytes is half
+/// its memory traffic (llama.cpp's default cache type too).
 pub struct SeqKv {
     len: usize,
     blocks: usize,
-    pub keys: Vec<Vec<f32>>,
-    pub values: Vec<Vec<f32>>,
+    pub keys: Vec<Vec<f16>>,
+    pub values: Vec<Vec<f16>>,
 }
 
 impl SeqKv {
@@ -226,14 +229,16 @@ mod tests {
         let mut kv = KvStore::new(1, 2, 64);
         kv.reserve(&[(1, 3)]).unwrap();
         let seq = kv.seq_mut(1).unwrap();
-        seq.keys[0].extend_from_slice(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        seq.values[0].extend_from_slice(&[6.0, 5.0, 4.0, 3.0, 2.0, 1.0]);
+        let halves = |v: [f32; 6]| v.map(f16::from_f32);
+        seq.keys[0].extend_from_slice(&halves([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
+        seq.values[0].extend_from_slice(&halves([6.0, 5.0, 4.0, 3.0, 2.0, 1.0]));
         kv.advance(1, 3);
         kv.fork_prefix(1, 2, 2).unwrap();
         assert_eq!(kv.seq_len(2), 2);
         let forked = kv.take(2).unwrap();
-        assert_eq!(forked.keys[0], vec![1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(forked.values[0], vec![6.0, 5.0, 4.0, 3.0]);
+        let floats = |v: &[f16]| v.iter().map(|h| h.to_f32()).collect::<Vec<_>>();
+        assert_eq!(floats(&forked.keys[0]), [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(floats(&forked.values[0]), [6.0, 5.0, 4.0, 3.0]);
         assert!(kv.fork_prefix(1, 3, 4).is_err(), "longer than the source");
         kv.clear();
         assert_eq!(kv.usage().used_tokens, 0);

@@ -8,6 +8,7 @@ use super::parallel;
 use super::qmatmul::QWeight;
 use super::weights::{Hyperparams, LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
+use half::f16;
 
 pub struct LlamaModel {
     pub weights: ModelWeights,
@@ -203,8 +204,8 @@ impl LlamaModel {
         let kv_dim = self.kv_dim();
         for (s, cache) in segments.iter().zip(caches.iter_mut()) {
             let span = s.first_row * kv_dim..(s.first_row + s.rows) * kv_dim;
-            cache.keys[layer_idx].extend_from_slice(&k[span.clone()]);
-            cache.values[layer_idx].extend_from_slice(&v[span]);
+            cache.keys[layer_idx].extend(k[span.clone()].iter().map(|&x| f16::from_f32(x)));
+            cache.values[layer_idx].extend(v[span].iter().map(|&x| f16::from_f32(x)));
         }
         let attn = self.attention(layer_idx, &q, segments, caches);
         ops::add_in_place(x, &w.wo.matmul(&attn, rows));

@@ -1,6 +1,8 @@
-//! Small numeric kernels on f32 slices. Each reduces in a fixed order (eight lanes, then the
+//! Small numeric kernels on f32 slices (and the f16 KV cache's rows). Each reduces in a fixed order (eight lanes, then the
 //! lanes by `sum_lanes`' tree), so results depend only on the inputs, never on batching or
 //! threads.
+
+use half::{f16, slice::HalfFloatSliceExt};
 
 /// Dot product with eight independent fused multiply-add accumulators, reduced by
 /// `sum_lanes` (deterministic).
@@ -18,14 +20,16 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 use simd::dot_lanes;
 
 #[cfg(not(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 )))]
 #[inline]
 fn dot_lanes(a: &[[f32; 8]], b: &[[f32; 8]]) -> f32 {
@@ -46,10 +50,11 @@ fn sum_lanes(l: [f32; 8]) -> f32 {
 }
 
 /// `scores[j] = scale · (query · row_j)` with row j at `matrix[j · stride + offset..]`
-/// (attention over a KV cache). Each score is exactly `scale * dot(query, row_j)`.
+/// (attention over the f16 KV cache). Each score is exactly `scale * dot(query, row_j)` with
+/// the row widened to f32 (exact).
 pub fn scaled_dots(
     query: &[f32],
-    matrix: &[f32],
+    matrix: &[f16],
     (stride, offset): (usize, usize),
     scale: f32,
     scores: &mut [f32],
@@ -60,7 +65,8 @@ pub fn scaled_dots(
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "fma"
+        target_feature = "fma",
+        target_feature = "f16c"
     ))]
     if len.is_multiple_of(8) {
         // Eight rows at once: eight independent chains keep both FMA pipes busy.
@@ -72,8 +78,12 @@ pub fn scaled_dots(
             done += 8;
         }
     }
-    for (j, score) in scores.iter_mut().enumerate().skip(done) {
-        *score = dot(query, row(j)) * scale;
+    if done < scores.len() {
+        let mut widened = vec![0f32; len];
+        for (j, score) in scores.iter_mut().enumerate().skip(done) {
+            row(j).convert_to_f32_slice(&mut widened);
+            *score = dot(query, &widened) * scale;
+        }
     }
 }
 
@@ -81,7 +91,7 @@ pub fn scaled_dots(
 /// accumulates over j in order with fused multiply-adds.
 pub fn add_weighted_rows(
     weights: &[f32],
-    matrix: &[f32],
+    matrix: &[f16],
     (stride, offset): (usize, usize),
     out: &mut [f32],
 ) {
@@ -90,7 +100,8 @@ pub fn add_weighted_rows(
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "fma"
+        target_feature = "fma",
+        target_feature = "f16c"
     ))]
     {
         if len.is_multiple_of(64) {
@@ -102,7 +113,7 @@ pub fn add_weighted_rows(
     }
     for (j, &w) in weights.iter().enumerate() {
         for (o, v) in out.iter_mut().zip(row(j)) {
-            *o = w.mul_add(*v, *o);
+            *o = w.mul_add(v.to_f32(), *o);
         }
     }
 }
@@ -112,10 +123,21 @@ pub fn add_weighted_rows(
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 mod simd {
+    use half::f16;
     use std::arch::x86_64::*;
+
+    /// Eight f16 values from `from`, widened to f32 (exact).
+    ///
+    /// # Safety
+    /// `from..from + 8` is readable.
+    #[inline]
+    unsafe fn widen8(from: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(from.cast()))
+    }
 
     pub fn sum_register(v: __m256) -> f32 {
         let mut lanes = [0f32; 8];
@@ -126,7 +148,7 @@ mod simd {
 
     /// `dot_lanes` for eight rows at once: independent accumulators, reduced together by a
     /// `hadd` transpose in `sum_lanes`' order.
-    pub fn dots8(query: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
+    pub fn dots8(query: &[f32], rows: [&[f16]; 8]) -> [f32; 8] {
         assert!(rows.iter().all(|r| r.len() == query.len()) && query.len().is_multiple_of(8));
         // SAFETY: AVX2 + FMA are enabled at build time; every load reads 8 floats inside
         // `query` or a row (lengths asserted); the store writes 8 floats.
@@ -135,7 +157,7 @@ mod simd {
             for c in (0..query.len()).step_by(8) {
                 let q = _mm256_loadu_ps(query.as_ptr().add(c));
                 for (acc, row) in acc.iter_mut().zip(rows) {
-                    *acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(row.as_ptr().add(c)), *acc);
+                    *acc = _mm256_fmadd_ps(q, widen8(row.as_ptr().add(c)), *acc);
                 }
             }
             // Pairs (0+1), (2+3), then quads, per row; then the two 128-bit halves.
@@ -170,7 +192,7 @@ mod simd {
     /// `8 · R` columns at a time in `R` registers, over all rows (`R` chains in flight).
     pub fn add_weighted_rows<const R: usize>(
         weights: &[f32],
-        matrix: &[f32],
+        matrix: &[f16],
         stride: usize,
         offset: usize,
         out: &mut [f32],
@@ -188,7 +210,7 @@ mod simd {
                     let row = matrix.as_ptr().add(j * stride + offset + c);
                     let w = _mm256_set1_ps(w);
                     for (k, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * k)), *acc);
+                        *acc = _mm256_fmadd_ps(w, widen8(row.add(8 * k)), *acc);
                     }
                 }
                 for (k, acc) in acc.iter().enumerate() {
@@ -349,15 +371,16 @@ mod tests {
     #[test]
     fn attention_helpers_equal_their_definitions() {
         let (stride, rows) = (80, 19);
-        let matrix: Vec<f32> = (0..stride * rows)
-            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
+        let matrix: Vec<f16> = (0..stride * rows)
+            .map(|i| f16::from_f32(((i * 31 % 97) as f32 - 48.0) / 17.0))
             .collect();
         for (len, offset) in [(64, 16), (32, 3), (12, 5)] {
             let query: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
-            let row = |j: usize| &matrix[j * stride + offset..j * stride + offset + len];
+            let row =
+                |j: usize| matrix[j * stride + offset..j * stride + offset + len].to_f32_vec();
             let mut scores = vec![0f32; rows];
             scaled_dots(&query, &matrix, (stride, offset), 0.125, &mut scores);
-            let want: Vec<f32> = (0..rows).map(|j| dot(&query, row(j)) * 0.125).collect();
+            let want: Vec<f32> = (0..rows).map(|j| dot(&query, &row(j)) * 0.125).collect();
             assert_eq!(scores, want, "len {len}");
 
             let mut out = vec![0.5f32; len];
@@ -365,7 +388,7 @@ mod tests {
             let mut want = vec![0.5f32; len];
             for (j, &w) in scores.iter().enumerate() {
                 for (o, v) in want.iter_mut().zip(row(j)) {
-                    *o = w.mul_add(*v, *o);
+                    *o = w.mul_add(v, *o);
                 }
             }
             assert_eq!(out, want, "len {len}");

@@ -150,8 +150,8 @@ impl Gpu {
         k: &CudaSlice<f32>,
         v: &CudaSlice<f32>,
         slots: &CudaSlice<i32>,
-        k_cache: &mut CudaSlice<f32>,
-        v_cache: &mut CudaSlice<f32>,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
         layer_offset: usize,
         kv_dim: usize,
     ) -> EngineResult<()> {
@@ -176,8 +176,8 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn kv_copy_blocks(
         &self,
-        k_cache: &mut CudaSlice<f32>,
-        v_cache: &mut CudaSlice<f32>,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
         from: &[i32],
         to: &[i32],
         layers: usize,
@@ -208,8 +208,8 @@ impl Gpu {
     pub fn paged_attention(
         &self,
         q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<f32>,
-        v_cache: &CudaSlice<f32>,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
         layout: &AttentionRows,
         layer_offset: usize,
         heads: usize,

@@ -10,9 +10,10 @@ use cudarc::driver::CudaSlice;
 use std::collections::HashMap;
 
 pub struct PagedKv {
-    /// `[layers, blocks · BLOCK_TOKENS, kv_dim]`.
-    pub keys: CudaSlice<f32>,
-    pub values: CudaSlice<f32>,
+    /// `[layers, blocks · BLOCK_TOKENS, kv_dim]`, f16 bits (as the CPU cache: the same
+    /// rounding on both devices).
+    pub keys: CudaSlice<u16>,
+    pub values: CudaSlice<u16>,
     layers: usize,
     kv_dim: usize,
     blocks: usize,
@@ -24,10 +25,10 @@ impl PagedKv {
     /// A pool of `kv_tokens` (rounded up to whole blocks), as the budget `KvStore` enforces.
     pub fn new(gpu: &Gpu, layers: usize, kv_dim: usize, kv_tokens: usize) -> EngineResult<Self> {
         let blocks = kv_tokens.div_ceil(BLOCK_TOKENS);
-        let floats = layers * blocks * BLOCK_TOKENS * kv_dim;
+        let elements = layers * blocks * BLOCK_TOKENS * kv_dim;
         Ok(Self {
-            keys: gpu.zeros(floats)?,
-            values: gpu.zeros(floats)?,
+            keys: gpu.zeros(elements)?,
+            values: gpu.zeros(elements)?,
             layers,
             kv_dim,
             blocks,
