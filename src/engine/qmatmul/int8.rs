@@ -328,6 +328,9 @@ macro_rules! column_tile {
     }};
 }
 
+/// Rows a chunk needs before the VNNI kernel takes two columns per tile (see `columns`).
+const TWO_COLUMN_MIN_ROWS: usize = 8;
+
 /// Rows handled per pass over a column range: their quants stay in L1/L2 while the columns'
 /// weights stream past.
 const ROW_CHUNK: usize = 64;
@@ -335,13 +338,15 @@ const ROW_CHUNK: usize = 64;
 /// Dot products of weight rows (output columns) `first_col..` with every activation row, into
 /// `out` laid out `[rows, columns]`.
 ///
-/// Tile shapes, measured on Zen 4 (1 thread, SmolLM2-sized Q4_1 matrices): with VNNI, two
-/// columns of up to four rows share each activation load (B = 8: 400 → 376 µs a layer from
-/// cache, prefill of 64 rows 26 % faster than one column of eight rows; 2 · 4 accumulators
-/// and 2 · 4 dot vectors fit the 32 registers, 2 · 8 would spill). A single row keeps one
-/// column: streaming the weights from memory, two interleaved columns ran 14 % slower.
-/// AVX2's 16 registers hold one column of up to eight rows (two columns measured slower).
-/// Every shape does the same arithmetic per column and row.
+/// Tile shapes, measured on Zen 4 (1 thread, SmolLM2-sized matrices, 30 layers' worth so the
+/// weights stream from memory): with VNNI and 8 or more rows, two columns of up to four rows
+/// share each activation load (B = 8: 400 → 376 µs a layer from cache; 64 rows 26 % faster
+/// than one column of eight rows; 2 · 4 accumulators and 2 · 4 dot vectors fit the 32
+/// registers, 2 · 8 would spill). With fewer rows each column pair gets a single pass, and
+/// two interleaved columns streaming from memory ran far slower than one (Q8_0: 1 row 14 %,
+/// 2 rows 2.1×, 4 rows 1.7×), so those keep one column. AVX2's 16 registers hold one column
+/// of up to eight rows (two columns measured slower). Every shape does the same arithmetic
+/// per column and row.
 pub fn columns(
     kernel: Kernel,
     weights: &PackedInt8,
@@ -363,7 +368,7 @@ pub fn columns(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `available` lists a SIMD kernel only where its features were detected.
                 Kernel::Avx512Vnni => unsafe {
-                    if cols - c >= 2 && chunk.len() >= 2 {
+                    if cols - c >= 2 && chunk.len() >= TWO_COLUMN_MIN_ROWS {
                         column_tile!(vnni::<C = 2, R = 4 | 2 | 1>, weights, first, x, chunk, out, cols)
                     } else {
                         column_tile!(vnni::<C = 1, R = 8 | 4 | 2 | 1>, weights, first, x, chunk, out, cols)
