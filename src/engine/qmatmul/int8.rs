@@ -343,8 +343,8 @@ const ROW_CHUNK: usize = 64;
 /// share each activation load (B = 8: 400 → 376 µs a layer from cache; 64 rows 26 % faster
 /// than one column of eight rows; 2 · 4 accumulators and 2 · 4 dot vectors fit the 32
 /// registers, 2 · 8 would spill). With fewer rows each column pair gets a single pass, and
-/// two interleaved columns streaming from memory ran far slower than one (Q8_0: 1 row 14 %,
-/// 2 rows 2.1×, 4 rows 1.7×), so those keep one column. AVX2's 16 registers hold one column
+/// two interleaved columns streaming from memory ran slower than one (Q4_1, 1 row: 14 %;
+/// Q8_0, 2 rows: 2.1×, 4 rows: 1.7×), so those keep one column. AVX2's 16 registers hold one column
 /// of up to eight rows (two columns measured slower). Every shape does the same arithmetic
 /// per column and row.
 pub fn columns(
