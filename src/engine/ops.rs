@@ -1,6 +1,6 @@
-//! Small numeric kernels on f32 slices (and the f16 KV cache's rows). Each reduces in a fixed order (eight lanes, then the
-//! lanes by `sum_lanes`' tree), so results depend only on the inputs, never on batching or
-//! threads.
+//! Small numeric kernels on f32 slices (and the f16 KV cache's rows). Each reduces in a fixed
+//! order (eight lanes, then the lanes by `sum_lanes`' tree), so results depend only on the
+//! inputs, never on batching or threads.
 
 use half::{f16, slice::HalfFloatSliceExt};
 

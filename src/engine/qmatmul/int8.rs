@@ -312,7 +312,10 @@ impl Kernel {
 /// tiles of the listed sizes, largest first (sizes are constants, so the accumulators live in
 /// registers). `out` holds the rows `[rows, stride]` from column `first`.
 macro_rules! column_tile {
-    ($module:ident::<C = $c:literal, R = $($r:literal)|+>, $weights:expr, $first:expr, $x:expr, $rows:expr, $out:expr, $stride:expr) => {{
+    (
+        $module:ident::<C = $c:literal, R = $($r:literal)|+>,
+        $weights:expr, $first:expr, $x:expr, $rows:expr, $out:expr, $stride:expr
+    ) => {{
         let columns: [Column; $c] = std::array::from_fn(|i| $weights.column($first + i));
         let mut row = $rows.start;
         while row < $rows.end {
@@ -344,9 +347,9 @@ const ROW_CHUNK: usize = 64;
 /// than one column of eight rows; 2 · 4 accumulators and 2 · 4 dot vectors fit the 32
 /// registers, 2 · 8 would spill). With fewer rows each column pair gets a single pass, and
 /// two interleaved columns streaming from memory ran slower than one (Q4_1, 1 row: 14 %;
-/// Q8_0, 2 rows: 2.1×, 4 rows: 1.7×), so those keep one column. AVX2's 16 registers hold one column
-/// of up to eight rows (two columns measured slower). Every shape does the same arithmetic
-/// per column and row.
+/// Q8_0, 2 rows: 2.1×, 4 rows: 1.7×), so those keep one column. AVX2's 16 registers hold
+/// one column of up to eight rows (two columns measured slower). Every shape does the same
+/// arithmetic per column and row.
 pub fn columns(
     kernel: Kernel,
     weights: &PackedInt8,
@@ -369,15 +372,24 @@ pub fn columns(
                 // SAFETY: `available` lists a SIMD kernel only where its features were detected.
                 Kernel::Avx512Vnni => unsafe {
                     if cols - c >= 2 && chunk.len() >= TWO_COLUMN_MIN_ROWS {
-                        column_tile!(vnni::<C = 2, R = 4 | 2 | 1>, weights, first, x, chunk, out, cols)
+                        column_tile!(
+                            vnni::<C = 2, R = 4 | 2 | 1>,
+                            weights, first, x, chunk, out, cols
+                        )
                     } else {
-                        column_tile!(vnni::<C = 1, R = 8 | 4 | 2 | 1>, weights, first, x, chunk, out, cols)
+                        column_tile!(
+                            vnni::<C = 1, R = 8 | 4 | 2 | 1>,
+                            weights, first, x, chunk, out, cols
+                        )
                     }
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 Kernel::Avx2 => unsafe {
-                    column_tile!(avx2::<C = 1, R = 8 | 4 | 2 | 1>, weights, first, x, chunk, out, cols)
+                    column_tile!(
+                        avx2::<C = 1, R = 8 | 4 | 2 | 1>,
+                        weights, first, x, chunk, out, cols
+                    )
                 },
                 Kernel::Portable => {
                     let column = weights.column(first);

@@ -1,9 +1,10 @@
 //! SIMD tiles: `C` weight columns against `R` activation rows, over the grouped layout of
 //! `layout`. Each vector of a column is loaded (and Q4 unpacked) once and multiplied into
-//! all `R` rows, each row's vector once into all `C` columns; a group's integer sums stay in per-row i32 lanes (exact: a lane sums at most
-//! 8 vectors · 4 products of |u8 · i8| ≤ 255 · 128), then per group and row one multiply and
-//! one multiply-add apply every block's two scales (one block per lane) and one more
-//! multiply-add the block offsets (weight = scale · q + offset) against the row's lane sums.
+//! all `R` rows, each row's vector once into all `C` columns; a group's integer sums stay in
+//! per-column, per-row i32 lanes (exact: a lane sums at most 8 vectors · 4 products of
+//! |u8 · i8| ≤ 255 · 128), then per group, column and row one multiply and one multiply-add
+//! apply every block's two scales (one block per lane) and one more multiply-add the block
+//! offsets (weight = scale · q + offset) against the row's lane sums.
 //! CPUs with AVX-512 VNNI use 512-bit `vpdpbusd`; AVX2 + FMA runs each vector as two 256-bit
 //! halves with `maddubs` + `madd`. Each row's lanes are reduced in one fixed order, so its
 //! result never depends on its tile's shape.
