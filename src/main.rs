@@ -1,4 +1,4 @@
-//! Command line: serve | generate | bench | tune | models (DESIGN §11).
+//! Command line: serve | generate | bench | tune | models (`docs/cli.md`).
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
@@ -274,7 +274,24 @@ enum ModelsCommand {
     },
 }
 
+/// Logs go to stderr, at `info` unless `RUST_LOG` says otherwise; with `debug`, each
+/// request's and each step's span is logged when it closes.
+fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::fmt::format::FmtSpan;
+    use tracing_subscriber::EnvFilter;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_span_events(FmtSpan::CLOSE)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 fn main() {
+    init_logging();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => run_serve(args),
@@ -573,7 +590,7 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         let written = bench::plots::write_all(&rows, dir)
             .map_err(|e| anyhow!("cannot write plots to {}: {e}", dir.display()))?;
         for path in written {
-            eprintln!("wrote {}", path.display());
+            tracing::info!("wrote {}", path.display());
         }
     }
     Ok(())
@@ -675,7 +692,7 @@ fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
     let config = load_config(&args.config)?;
     let tuning = config.tuning.as_ref().ok_or_else(|| {
         anyhow!(
-            "{} has no [tuning] section (routing, commits, latency_ms); see README",
+            "{} has no [tuning] section (routing, commits, latency_ms); see docs/tuning.md",
             args.config.config.display()
         )
     })?;

@@ -1,5 +1,5 @@
 //! Every metric the server exports: name, description, labels and histogram buckets in one
-//! place (DESIGN §8). Recording goes through the `metrics` facade, so the CLI and the bench,
+//! place. Recording goes through the `metrics` facade, so the CLI and the bench,
 //! which install no recorder, pay nothing.
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};

@@ -1,4 +1,4 @@
-//! The command-line contract (DESIGN §11) for commands that need no downloaded weights.
+//! The command-line contract (`docs/cli.md`) for commands that need no downloaded weights.
 
 mod common;
 
@@ -237,4 +237,55 @@ fn bench_parity_compares_devices_and_names_a_device_it_cannot_use() {
     let out = parity("gpu");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("device `gpu`"));
+}
+
+/// A config naming an unknown policy kind is refused at start-up with the kind and the known
+/// ones named.
+#[test]
+fn an_unknown_policy_kind_is_named_with_the_known_kinds() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::server::write_tiny_config(dir.path(), 0.5);
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("kind = \"r2r\""), "{text}");
+    std::fs::write(
+        &config,
+        text.replacen("kind = \"r2r\"", "kind = \"magic\"", 1),
+    )
+    .unwrap();
+    let out = tokenrouter(&["models", "list", "--config", config.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for name in ["magic", "r2r", "citer", "rstitch", "colm", "me", "single"] {
+        assert!(stderr.contains(&format!("`{name}`")), "{name}: {stderr}");
+    }
+}
+
+/// The binary carries the default config, its step profiles and the fetch script: copied into
+/// an empty directory it still finds everything except the model, which it would fetch.
+#[test]
+fn a_binary_in_an_empty_directory_uses_its_carried_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let binary = dir.path().join("tokenrouter");
+    std::fs::copy(env!("CARGO_BIN_EXE_tokenrouter"), &binary).unwrap();
+    let out = Command::new(&binary)
+        .current_dir(dir.path())
+        .args(["models", "list", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("built into the binary"), "{stderr}");
+    let models: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(models[0]["name"], "smollm2-135m", "{models}");
+    assert_eq!(models[0]["present"], false, "{models}");
+    let out = Command::new(&binary)
+        .current_dir(dir.path())
+        .args(["tune", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the carried step profiles feed tune: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

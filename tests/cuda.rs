@@ -10,7 +10,7 @@ use common::{Arch, TinySpec};
 use tokenrouter::config::{ModelConfig, ModelDevice};
 use tokenrouter::engine::cuda::{gpu_available, kernels, CudaExecutor};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 
 fn nvrtc_or_skip() -> bool {
     if kernels::nvrtc_available() {
@@ -97,7 +97,7 @@ fn a_missing_gpu_is_a_clear_error() {
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
     SeqWork {
-        seq,
+        seq: SeqId(seq),
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs {
@@ -130,7 +130,7 @@ fn decode(
         }
     }
     for seq in 0..prompts.len() {
-        executor.free(seq as u64);
+        executor.free(SeqId(seq as u64));
     }
     (tokens, outputs)
 }
@@ -213,13 +213,13 @@ fn gpu_batched_equals_unbatched_and_forks_keep_the_prefix() {
     // A fork continues exactly as its source would (its KV blocks were copied, 40 > 2 blocks).
     let long: Vec<u32> = (0..40).map(|j| 7 + (j * 11) % 200).collect();
     gpu.step(&[work(1, long.clone())]).unwrap();
-    gpu.fork_prefix(1, 2, 40).unwrap();
+    gpu.fork_prefix(SeqId(1), SeqId(2), 40).unwrap();
     let source = gpu.step(&[work(1, vec![9])]).unwrap().remove(0);
     let forked = gpu.step(&[work(2, vec![9])]).unwrap().remove(0);
     assert_eq!(source.candidate, forked.candidate);
     assert!(max_abs_diff(&source.logits, &forked.logits) < 1e-6);
-    gpu.free(1);
-    gpu.free(2);
+    gpu.free(SeqId(1));
+    gpu.free(SeqId(2));
     assert_eq!(gpu.kv_usage().used_tokens, 0);
 }
 

@@ -8,12 +8,12 @@ use common::{Arch, TinySpec};
 use tokenrouter::config::WeightPrecision;
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use tokenrouter::error::EngineError;
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
     SeqWork {
-        seq,
+        seq: SeqId(seq),
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
@@ -36,7 +36,7 @@ fn logits_per_position(executor: &mut Executor, seq: u64, tokens: &[u32]) -> Vec
                 .logits
         })
         .collect();
-    executor.free(seq);
+    executor.free(SeqId(seq));
     out
 }
 
@@ -169,7 +169,7 @@ fn decode_batched(executor: &mut Executor, prompts: &[Vec<u32>], steps: usize) -
         }
     }
     for i in 0..prompts.len() {
-        executor.free(100 + i as u64);
+        executor.free(SeqId(100 + i as u64));
     }
     outputs
 }
@@ -225,13 +225,13 @@ fn kv_usage_returns_to_zero_and_exhaustion_is_a_typed_error() {
         .step(&[work(1, prompt(20, 0)), work(2, prompt(10, 1))])
         .unwrap();
     assert_eq!(executor.kv_usage().used_tokens, 48);
-    assert_eq!(executor.seq_len(1), 20);
+    assert_eq!(executor.seq_len(SeqId(1)), 20);
     let err = executor
         .step(&[work(1, prompt(5, 2)), work(3, prompt(30, 3))])
         .unwrap_err();
     assert!(matches!(err, EngineError::KvExhausted { .. }), "{err}");
     assert_eq!(
-        executor.seq_len(1),
+        executor.seq_len(SeqId(1)),
         20,
         "a failed step leaves sequences untouched"
     );
@@ -239,8 +239,8 @@ fn kv_usage_returns_to_zero_and_exhaustion_is_a_typed_error() {
         executor.step(&[work(1, vec![9999])]).is_err(),
         "out-of-vocabulary token"
     );
-    executor.free(1);
-    executor.free(2);
+    executor.free(SeqId(1));
+    executor.free(SeqId(2));
     assert_eq!(executor.kv_usage().used_tokens, 0);
     assert_eq!(executor.kv_usage().sequences, 0);
 }
@@ -266,7 +266,7 @@ fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
         for _ in 0..24 {
             let step = executor
                 .step(&[SeqWork {
-                    seq: 9,
+                    seq: SeqId(9),
                     tokens: input,
                     sampling: params,
                     needs: Needs::default(),
@@ -276,7 +276,7 @@ fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
             out.push(step.candidate);
             input = vec![step.candidate];
         }
-        executor.free(9);
+        executor.free(SeqId(9));
         out
     };
     let a = run(&mut executor, 7);
@@ -290,7 +290,7 @@ fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
     };
     let out = executor
         .step(&[SeqWork {
-            seq: 1,
+            seq: SeqId(1),
             tokens: prompt(4, 1),
             sampling: SamplingParams::greedy(),
             needs,

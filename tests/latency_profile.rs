@@ -7,8 +7,6 @@
 use std::time::Duration;
 use tokenrouter::bench::validate::{best_per_n, endless, measure, paper_config, ValidationRow};
 use tokenrouter::config::ExecutionMode;
-use tokenrouter::runtime::batcher::ReleaseReason;
-use tokenrouter::runtime::stats::ModelStats;
 use tokenrouter::runtime::Runtime;
 use tokenrouter::tuning::{paper, predict};
 
@@ -26,18 +24,11 @@ async fn the_timeout_bounds_admission_when_the_threshold_can_never_fill() {
     .unwrap();
     let handles: Vec<_> = (0..n).map(|seed| endless(&rt, seed).unwrap()).collect();
     actix_rt::time::sleep(Duration::from_millis(1500)).await;
-    let stats = &rt.stats().models[1];
-    let releases = *stats.releases.lock().unwrap();
-    assert_eq!(
-        releases[ReleaseReason::Threshold as usize],
-        0,
-        "B = 100 never fills"
-    );
-    assert!(
-        releases[ReleaseReason::Timeout as usize] > 0,
-        "{releases:?}"
-    );
-    let worst_ms = ModelStats::get(&stats.max_admission_delay_us) as f64 / 1e3;
+    let stats = &rt.snapshot().models[1];
+    let releases = stats.releases;
+    assert_eq!(releases.threshold, 0, "B = 100 never fills");
+    assert!(releases.timeout > 0, "{releases:?}");
+    let worst_ms = stats.admission_delay_max.as_secs_f64() * 1e3;
     // L(N − 1) is the longest step an arrival can wait behind (constant latency here).
     let bound_ms = timeout_ms.max(large_step_ms) + SCHEDULING_SLACK_MS;
     println!("worst admission delay {worst_ms:.1} ms, bound {bound_ms:.1} ms");

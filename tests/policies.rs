@@ -9,9 +9,9 @@ use common::{Arch, TinySpec};
 use std::collections::HashMap;
 use tokenrouter::config::{Config, ExecutionMode};
 use tokenrouter::engine::{LogitStats, SamplingParams};
-use tokenrouter::policy::learned::{CiterRouter, DeferralHead, R2rRouter};
+use tokenrouter::policy::learned::{CiterRouter, DeferralHead, HiddenScorer, R2rRouter};
 use tokenrouter::policy::registry::PolicyRegistry;
-use tokenrouter::policy::{Route, RoutingState, StepView};
+use tokenrouter::policy::{RequestId, Route, RoutingState, StepView};
 use tokenrouter::runtime::{GenerateRequest, Runtime};
 
 const HIDDEN: usize = 64;
@@ -110,7 +110,7 @@ fn r2r_router_matches_a_direct_tensor_computation_and_decides_per_row() {
                 .collect(),
         })
         .collect();
-    let state = RoutingState::new(1, vec![1], 2, 0);
+    let state = RoutingState::new(RequestId(1), vec![1], 2, 0);
     let views: Vec<StepView> = (0..rows)
         .map(|r| StepView {
             model: 0,

@@ -9,11 +9,11 @@ use candle_transformers::models::quantized_llama;
 use tokenrouter::bench::prompts::PROMPTS;
 use tokenrouter::engine::ops::argmax;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqWork, StepExecutor};
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
     SeqWork {
-        seq,
+        seq: SeqId(seq),
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
@@ -118,7 +118,7 @@ fn teacher_forced_top1_agrees_with_candle_quantized_llama() {
                 .fold(0f32, f32::max);
             max_diff = max_diff.max(diff);
         }
-        ours.free(p as u64);
+        ours.free(SeqId(p as u64));
     }
     let rate = agree as f64 / total as f64;
     println!("teacher-forced top-1 agreement with candle quantized_llama: {agree}/{total} = {:.2}%, max |Δlogit| = {max_diff:.3}", rate * 100.0);
@@ -154,7 +154,7 @@ fn batch_of_16_ragged_sequences_equals_each_alone() {
             }
         }
         for s in seqs {
-            executor.free(s.0);
+            executor.free(SeqId(s.0));
         }
         outputs
     };
@@ -260,7 +260,7 @@ async fn every_routing_policy_runs_on_the_real_pair_identically_in_all_modes() {
     let defaults: Vec<_> = config
         .policies
         .iter()
-        .filter(|p| p.kind != "me")
+        .filter(|p| p.kind != tokenrouter::policy::PolicyKind::Me)
         .map(|p| tokenrouter::config::PolicyConfig {
             name: format!("{}-default", p.name),
             threshold: None,

@@ -176,6 +176,11 @@ fn bad_input_gets_the_right_status_and_an_openai_error_and_the_server_keeps_serv
         Case::new("POST", chat, None, r#"{"messages": "hi"}"#, 400, Some("messages")),
         Case::new("POST", chat, None, r#"{"messages": []}"#, 400, Some("messages")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, 400, Some("messages[0].role")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user"}]}"#, 400, Some("messages[0].content")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#, 400, Some("tools")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#, 400, Some("response_format")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true}"#, 400, Some("logprobs")),
+        Case::new("POST", "/v1/completions", None, r#"{"prompt": "x", "logprobs": 1}"#, 400, Some("logprobs")),
         Case::new("POST", chat, None, r#"{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}"#, 404, Some("model")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}"#, 400, Some("max_tokens")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000000}"#, 400, Some("max_tokens")),
@@ -199,7 +204,7 @@ fn bad_input_gets_the_right_status_and_an_openai_error_and_the_server_keeps_serv
         Case::new("GET", "/admin/stats", None, "", 401, None),
         Case::new("PUT", "/admin/policy", Some(ADMIN_TOKEN), r#"{"default": "nope"}"#, 400, None),
         Case::new("PUT", "/admin/policy", Some(ADMIN_TOKEN), r#"{"policies": {"r2r": {"threshold": "high"}}}"#, 400, Some("policies.r2r.threshold")),
-        Case::new("PUT", "/admin/policy", Some(ADMIN_TOKEN), r#"{"policies": {"r2r": {"kind": "magic"}}}"#, 400, None),
+        Case::new("PUT", "/admin/policy", Some(ADMIN_TOKEN), r#"{"policies": {"r2r": {"kind": "magic"}}}"#, 400, Some("policies.r2r.kind")),
         Case::new("PUT", "/admin/policy", Some(ADMIN_TOKEN), r#"{"policies": {"new": {"threshold": 1}}}"#, 400, None),
         Case::new("PUT", "/admin/policy", Some(ADMIN_TOKEN), r#"{"surprise": 1}"#, 400, None),
     ];
@@ -230,6 +235,23 @@ fn bad_input_gets_the_right_status_and_an_openai_error_and_the_server_keeps_serv
             assert_eq!(error["param"], *param, "{what}: {answer}");
         }
     }
+    let (_, answer) = server.call(
+        "PUT",
+        "/admin/policy",
+        Some(ADMIN_TOKEN),
+        Some(r#"{"policies": {"r2r": {"kind": "magic"}}}"#),
+    );
+    let message = answer["error"]["message"].as_str().unwrap();
+    for name in ["magic", "r2r", "citer", "rstitch", "colm", "me", "single"] {
+        assert!(message.contains(&format!("`{name}`")), "{name}: {message}");
+    }
+    // Default values of the fields the server does not implement are accepted.
+    let (status, answer) = server.post(
+        chat,
+        &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [],
+                "tool_choice": "none", "logprobs": false, "response_format": {"type": "text"}}),
+    );
+    assert_eq!(status, 200, "{answer}");
     // The failed swaps changed nothing, and the token never reached the log.
     let (_, policy) = server.call("GET", "/admin/policy", Some(ADMIN_TOKEN), None);
     assert_eq!(policy["default"], "me");

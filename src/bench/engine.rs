@@ -2,7 +2,7 @@
 //! Each batch row mixes sequences of different context lengths (a ragged batch).
 
 use super::median;
-use crate::engine::{Needs, SamplingParams, SeqWork, StepExecutor};
+use crate::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use crate::error::EngineResult;
 use crate::tuning::online::fit_latency;
 use serde::Serialize;
@@ -56,7 +56,7 @@ fn filler(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
     SeqWork {
-        seq,
+        seq: SeqId(seq),
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
@@ -122,7 +122,7 @@ impl DecodeBatch {
 
     fn finish(self, executor: &mut dyn StepExecutor) {
         for i in 0..self.next.len() {
-            executor.free(self.first_seq + i as u64);
+            executor.free(SeqId(self.first_seq + i as u64));
         }
     }
 }
@@ -193,7 +193,7 @@ pub fn run(
             filler(settings.prefill_tokens, round as usize, vocab),
         )])?;
         prefill_times.push(start.elapsed().as_secs_f64() * 1e3);
-        executor.free(seq);
+        executor.free(SeqId(seq));
     }
     let prefill_ms = median(&mut prefill_times);
     Ok(EngineBenchReport {

@@ -6,7 +6,7 @@
 use super::median;
 use super::prompts::{first_sentence, PROMPTS};
 use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Needs, SamplingParams, SeqWork, StepExecutor};
+use crate::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use crate::error::EngineResult;
 use serde::Serialize;
 use std::time::Instant;
@@ -29,7 +29,7 @@ fn step_one(
 ) -> EngineResult<(u32, f64)> {
     let start = Instant::now();
     let out = executor.step(&[SeqWork {
-        seq,
+        seq: SeqId(seq),
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
@@ -60,8 +60,8 @@ pub fn run(
             expected = next_ref;
             predicted = next_model;
         }
-        model.free(seq);
-        reference.free(seq);
+        model.free(SeqId(seq));
+        reference.free(SeqId(seq));
     }
     let model_step_ms = median(&mut model_ms);
     let reference_step_ms = median(&mut reference_ms);

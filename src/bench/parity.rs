@@ -4,7 +4,7 @@
 
 use super::prompts::{first_sentence, PROMPTS};
 use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Needs, SamplingParams, SeqWork, StepExecutor};
+use crate::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use crate::error::EngineResult;
 use serde::Serialize;
 
@@ -39,7 +39,7 @@ fn greedy(
             .iter()
             .enumerate()
             .map(|(i, t)| SeqWork {
-                seq: i as u64,
+                seq: SeqId(i as u64),
                 tokens: t.clone(),
                 sampling: SamplingParams::greedy(),
                 needs: Needs::default(),
@@ -51,7 +51,7 @@ fn greedy(
         }
     }
     for seq in 0..prompts.len() {
-        executor.free(seq as u64);
+        executor.free(SeqId(seq as u64));
     }
     Ok(generated)
 }

@@ -8,8 +8,7 @@ use super::median;
 use super::workloads::{self, Workload};
 use crate::config::{Config, ExecutionMode, PolicyConfig};
 use crate::engine::SamplingParams;
-use crate::runtime::stats::ModelStats;
-use crate::runtime::{GenerateRequest, Runtime, RuntimeError};
+use crate::runtime::{GenerateRequest, ModelSnapshot, Runtime, RuntimeError};
 use crate::tuning::online::fit_latency;
 use crate::tuning::{predict, DtmcModel};
 use serde::Serialize;
@@ -120,15 +119,15 @@ struct Snapshot {
 
 impl Snapshot {
     fn take(runtime: &Runtime) -> Self {
-        let models = &runtime.stats().models;
-        let each = |f: fn(&ModelStats) -> u64| models.iter().map(f).collect();
-        let (routed, committed) = runtime.stats().routing_counts();
+        let snapshot = runtime.snapshot();
+        let each = |f: fn(&ModelSnapshot) -> u64| snapshot.models.iter().map(f).collect();
+        let (routed, committed) = snapshot.routing_counts();
         Self {
             at: Instant::now(),
-            steps: each(|m| ModelStats::get(&m.steps)),
-            rows: each(|m| ModelStats::get(&m.rows_stepped)),
-            admission_us: each(|m| ModelStats::get(&m.admission_delay_us_total)),
-            admissions: each(|m| ModelStats::get(&m.admissions)),
+            steps: each(|m| m.steps),
+            rows: each(|m| m.rows_stepped),
+            admission_us: each(|m| m.admission_delay_total.as_micros() as u64),
+            admissions: each(|m| m.admissions),
             routed,
             committed,
         }
@@ -204,11 +203,12 @@ fn predicted(
                 .collect(),
         );
     }
+    let snapshot = runtime.snapshot();
     let latency = visited
         .iter()
         .map(|&i| {
-            let samples: Vec<(usize, f64)> = runtime.stats().models[i]
-                .step_log()
+            let samples: Vec<(usize, f64)> = snapshot.models[i]
+                .recent_steps
                 .iter()
                 .filter(|s| s.start >= before.at)
                 .map(|s| s.latency_sample())

@@ -105,7 +105,7 @@ pub async fn run(ns: &[usize], window: Duration) -> Result<Vec<ValidationRow>, R
                 .map_err(|e| RuntimeError::InvalidRequest(e.to_string()))?
                 .throughput;
             let measured = measure(n, b1, window).await?;
-            eprintln!("N={n} B1={b1}: predicted {predicted:.1} tok/s, measured {measured:.1}");
+            tracing::info!("N={n} B1={b1}: predicted {predicted:.1} tok/s, measured {measured:.1}");
             rows.push(ValidationRow {
                 n,
                 b1,

@@ -6,7 +6,15 @@ use crate::error::{EngineError, EngineResult};
 use half::f16;
 use std::collections::HashMap;
 
-pub type SeqId = u64;
+/// One KV sequence of a model's cache (a request's, or a cached prefix).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// Tokens per allocation block.
 pub const BLOCK_TOKENS: usize = 16;
@@ -201,19 +209,19 @@ mod tests {
     #[test]
     fn reserve_is_all_or_nothing_and_free_returns_blocks() {
         let mut kv = KvStore::new(2, 8, 64);
-        kv.reserve(&[(1, 20), (2, 10)]).unwrap();
+        kv.reserve(&[(SeqId(1), 20), (SeqId(2), 10)]).unwrap();
         assert_eq!(kv.usage().used_tokens, 48);
-        let err = kv.reserve(&[(1, 12), (3, 17)]).unwrap_err();
+        let err = kv.reserve(&[(SeqId(1), 12), (SeqId(3), 17)]).unwrap_err();
         assert!(matches!(err, EngineError::KvExhausted { .. }), "{err}");
         assert_eq!(
             kv.usage().used_tokens,
             48,
             "a failed reservation changes nothing"
         );
-        assert!(!kv.contains(3));
-        kv.free(1);
-        kv.free(2);
-        kv.free(99);
+        assert!(!kv.contains(SeqId(3)));
+        kv.free(SeqId(1));
+        kv.free(SeqId(2));
+        kv.free(SeqId(99));
         assert_eq!(
             kv.usage(),
             KvUsage {
@@ -227,19 +235,22 @@ mod tests {
     #[test]
     fn fork_copies_a_prefix_into_a_fresh_allocation() {
         let mut kv = KvStore::new(1, 2, 64);
-        kv.reserve(&[(1, 3)]).unwrap();
-        let seq = kv.seq_mut(1).unwrap();
+        kv.reserve(&[(SeqId(1), 3)]).unwrap();
+        let seq = kv.seq_mut(SeqId(1)).unwrap();
         let halves = |v: [f32; 6]| v.map(f16::from_f32);
         seq.keys[0].extend_from_slice(&halves([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
         seq.values[0].extend_from_slice(&halves([6.0, 5.0, 4.0, 3.0, 2.0, 1.0]));
-        kv.advance(1, 3);
-        kv.fork_prefix(1, 2, 2).unwrap();
-        assert_eq!(kv.seq_len(2), 2);
-        let forked = kv.take(2).unwrap();
+        kv.advance(SeqId(1), 3);
+        kv.fork_prefix(SeqId(1), SeqId(2), 2).unwrap();
+        assert_eq!(kv.seq_len(SeqId(2)), 2);
+        let forked = kv.take(SeqId(2)).unwrap();
         let floats = |v: &[f16]| v.iter().map(|h| h.to_f32()).collect::<Vec<_>>();
         assert_eq!(floats(&forked.keys[0]), [1.0, 2.0, 3.0, 4.0]);
         assert_eq!(floats(&forked.values[0]), [6.0, 5.0, 4.0, 3.0]);
-        assert!(kv.fork_prefix(1, 3, 4).is_err(), "longer than the source");
+        assert!(
+            kv.fork_prefix(SeqId(1), SeqId(3), 4).is_err(),
+            "longer than the source"
+        );
         kv.clear();
         assert_eq!(kv.usage().used_tokens, 0);
     }
@@ -247,12 +258,12 @@ mod tests {
     #[test]
     fn growth_within_a_block_costs_nothing() {
         let mut kv = KvStore::new(1, 4, 64);
-        kv.reserve(&[(7, 3)]).unwrap();
-        kv.advance(7, 3);
-        kv.reserve(&[(7, 13)]).unwrap();
+        kv.reserve(&[(SeqId(7), 3)]).unwrap();
+        kv.advance(SeqId(7), 3);
+        kv.reserve(&[(SeqId(7), 13)]).unwrap();
         assert_eq!(kv.usage().used_tokens, BLOCK_TOKENS);
-        kv.advance(7, 13);
-        kv.reserve(&[(7, 1)]).unwrap();
+        kv.advance(SeqId(7), 13);
+        kv.reserve(&[(SeqId(7), 1)]).unwrap();
         assert_eq!(kv.usage().used_tokens, 2 * BLOCK_TOKENS);
     }
 }

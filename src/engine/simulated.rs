@@ -36,8 +36,10 @@ impl LatencyProfileExecutor {
 
     /// A uniform draw in [0, 1) for this model, sequence and position.
     fn draw(&self, seq: SeqId, position: usize, stream: u64) -> f64 {
-        let mut z =
-            self.salt ^ seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (position as u64) << 20 ^ stream;
+        let mut z = self.salt
+            ^ seq.0.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ (position as u64) << 20
+            ^ stream;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
@@ -128,7 +130,7 @@ mod tests {
         let mut sim = LatencyProfileExecutor::new("sim", [2.0, 1.0], 1 << 20);
         let work: Vec<SeqWork> = (0..3)
             .map(|seq| SeqWork {
-                seq,
+                seq: SeqId(seq),
                 tokens: vec![1, 2],
                 sampling: SamplingParams::greedy(),
                 needs: Needs::default(),
@@ -140,14 +142,14 @@ mod tests {
         assert_eq!(out[0].position, 2);
         let mut above = 0;
         for position in 0..10_000 {
-            if sim.draw(7, position, 1) >= 0.65 {
+            if sim.draw(SeqId(7), position, 1) >= 0.65 {
                 above += 1;
             }
         }
         assert!((above as f64 / 10_000.0 - 0.35).abs() < 0.02, "{above}");
-        sim.free(0);
-        sim.free(1);
-        sim.free(2);
+        sim.free(SeqId(0));
+        sim.free(SeqId(1));
+        sim.free(SeqId(2));
         assert_eq!(sim.kv_usage().used_tokens, 0);
     }
 }

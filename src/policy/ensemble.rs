@@ -1,7 +1,10 @@
 //! `me` (mixture-ensemble): after every token the next model is drawn from fixed weights.
 //! The draw is seeded by (request seed, position), so it never depends on scheduling.
 
-use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{
+    ModelIdx, PolicyError, PolicyInfo, PolicyKind, RequestInfo, Route, RoutingPolicy, RoutingState,
+    StepView,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -18,12 +21,16 @@ impl MixtureEnsemble {
         name: impl Into<String>,
         models: Vec<ModelIdx>,
         weights: &[f64],
-    ) -> Result<Self, String> {
+    ) -> Result<Self, PolicyError> {
         if models.len() < 2 || models.len() != weights.len() {
-            return Err("`me` needs at least two models and one weight per model".into());
+            return Err(PolicyError::Invalid(
+                "`me` needs at least two models and one weight per model".into(),
+            ));
         }
         if weights.iter().any(|w| !(w.is_finite() && *w > 0.0)) {
-            return Err("`me` weights must be positive numbers".into());
+            return Err(PolicyError::Invalid(
+                "`me` weights must be positive numbers".into(),
+            ));
         }
         let total: f64 = weights.iter().sum();
         let cumulative = weights
@@ -73,7 +80,7 @@ impl RoutingPolicy for MixtureEnsemble {
             .collect();
         PolicyInfo {
             name: self.name.clone(),
-            kind: "me",
+            kind: PolicyKind::Me,
             models: self.models.clone(),
             learned_router: false,
             rule: format!(
@@ -92,20 +99,25 @@ impl RoutingPolicy for MixtureEnsemble {
         self.draw(req.seed, req.prompt_len)
     }
 
-    fn route(&self, req: &RoutingState, _step: &StepView) -> Route {
-        // The candidate is committed at position tokens.len(); the next one follows it.
-        let next = self.draw(req.seed, req.tokens.len() + 1);
-        if next == req.current {
-            Route::Stay
-        } else {
-            Route::CommitThenSwitch(next)
-        }
+    fn route_batch(&self, reqs: &[&RoutingState], _steps: &[StepView]) -> Vec<Route> {
+        reqs.iter()
+            .map(|req| {
+                // The candidate is committed at position tokens.len(); the next one follows.
+                let next = self.draw(req.seed, req.tokens.len() + 1);
+                if next == req.current {
+                    Route::Stay
+                } else {
+                    Route::CommitThenSwitch(next)
+                }
+            })
+            .collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::RequestId;
 
     #[test]
     fn draws_follow_the_weights_and_are_reproducible() {
@@ -125,7 +137,7 @@ mod tests {
     fn route_switches_exactly_when_the_next_draw_differs() {
         let me = MixtureEnsemble::new("me", vec![0, 1], &[0.5, 0.5]).unwrap();
         let stats = crate::policy::testing::stats(0.0, 1.0);
-        let mut state = RoutingState::new(1, vec![5, 6, 7], 2, 99);
+        let mut state = RoutingState::new(RequestId(1), vec![5, 6, 7], 2, 99);
         let (mut stays, mut switches) = (0, 0);
         for _ in 0..200 {
             state.current = me.draw(99, state.tokens.len());

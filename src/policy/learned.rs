@@ -5,6 +5,7 @@
 //! - CITER (`citer`): `fc1`, `bn` (`weight`, `bias`, `running_mean`, `running_var`), `fc2`, `head`.
 //! - Co-LLM (`colm`): `defer.weight` `[1, hidden]`, optional `defer.bias`.
 
+use super::PolicyError;
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,10 +17,22 @@ type Tensors = HashMap<String, Tensor>;
 
 fn load(path: &Path) -> Result<Tensors, String> {
     if !path.exists() {
-        return Err(format!("router weights not found: {}", path.display()));
+        return Err("not found".into());
     }
-    candle_core::safetensors::load(path, &Device::Cpu)
-        .map_err(|e| format!("cannot read router weights {}: {e}", path.display()))
+    candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| format!("cannot read: {e}"))
+}
+
+/// Names the file in a loader's error.
+fn at<T>(path: &Path, loaded: Result<T, String>) -> Result<T, PolicyError> {
+    loaded.map_err(|message| PolicyError::RouterWeights {
+        path: path.to_path_buf(),
+        message,
+    })
+}
+
+/// A learned router that scores each row of a batch of the small model's hidden states.
+pub trait HiddenScorer: Send + Sync {
+    fn score(&self, hidden: &[f32]) -> Vec<f32>;
 }
 
 fn get(t: &Tensors, name: &str) -> Result<(Vec<usize>, Vec<f32>), String> {
@@ -144,7 +157,11 @@ pub struct R2rRouter {
 }
 
 impl R2rRouter {
-    pub fn load(path: &Path, hidden: usize) -> Result<Self, String> {
+    pub fn load(path: &Path, hidden: usize) -> Result<Self, PolicyError> {
+        at(path, Self::read(path, hidden))
+    }
+
+    fn read(path: &Path, hidden: usize) -> Result<Self, String> {
         let t = load(path)?;
         let topk_proj = Linear::load(&t, "topk_proj", Some(R2R_TOP_K))?;
         if topk_proj.n_out != hidden {
@@ -220,7 +237,11 @@ pub struct CiterRouter {
 }
 
 impl CiterRouter {
-    pub fn load(path: &Path, hidden: usize) -> Result<Self, String> {
+    pub fn load(path: &Path, hidden: usize) -> Result<Self, PolicyError> {
+        at(path, Self::read(path, hidden))
+    }
+
+    fn read(path: &Path, hidden: usize) -> Result<Self, String> {
         let t = load(path)?;
         let fc1 = Linear::load(&t, "fc1", Some(hidden))?;
         let n = fc1.n_out;
@@ -256,8 +277,10 @@ impl CiterRouter {
             head,
         })
     }
+}
 
-    pub fn score(&self, hidden: &[f32]) -> Vec<f32> {
+impl HiddenScorer for CiterRouter {
+    fn score(&self, hidden: &[f32]) -> Vec<f32> {
         let mut x = self.fc1.forward(hidden);
         for row in x.chunks_mut(self.bn_scale.len()) {
             for ((v, s), b) in row.iter_mut().zip(&self.bn_scale).zip(&self.bn_shift) {
@@ -278,7 +301,11 @@ pub struct DeferralHead {
 }
 
 impl DeferralHead {
-    pub fn load(path: &Path, hidden: usize) -> Result<Self, String> {
+    pub fn load(path: &Path, hidden: usize) -> Result<Self, PolicyError> {
+        at(path, Self::read(path, hidden))
+    }
+
+    fn read(path: &Path, hidden: usize) -> Result<Self, String> {
         let t = load(path)?;
         let head = Linear::load(&t, "defer", Some(hidden))?;
         if head.n_out != 1 {
@@ -286,8 +313,10 @@ impl DeferralHead {
         }
         Ok(Self { head })
     }
+}
 
-    pub fn score(&self, hidden: &[f32]) -> Vec<f32> {
+impl HiddenScorer for DeferralHead {
+    fn score(&self, hidden: &[f32]) -> Vec<f32> {
         self.head.forward(hidden).into_iter().map(sigmoid).collect()
     }
 }

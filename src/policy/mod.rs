@@ -1,19 +1,39 @@
 //! Routing policies: pure, synchronous functions of one request's routing state and the step
-//! it just took. The runtime calls them per model, per step, over the batch (DESIGN §5).
+//! it just took. The runtime calls them per model, per step, over the batch.
 
-pub mod citer;
-pub mod colm;
 pub mod ensemble;
 pub mod learned;
+pub mod one_token;
 pub mod r2r;
 pub mod registry;
 pub mod rstitch;
 pub mod single;
 
+pub use crate::config::PolicyKind;
 use crate::engine::{LogitStats, Needs};
+use std::path::PathBuf;
 use std::sync::Arc;
 
+/// Why a policy could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("router weights {path}: {message}")]
+    RouterWeights { path: PathBuf, message: String },
+}
+
 pub type ModelIdx = usize;
+
+/// A request's id, unique within one runtime; ids grow in submission order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// What happens to a request after a step on its current model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,7 +49,7 @@ pub enum Route {
 /// A request's routing state: it travels with the request between model actors.
 #[derive(Debug, Clone)]
 pub struct RoutingState {
-    pub rid: u64,
+    pub rid: RequestId,
     /// Committed tokens: prompt, then generated.
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
@@ -41,7 +61,7 @@ pub struct RoutingState {
 }
 
 impl RoutingState {
-    pub fn new(rid: u64, prompt: Vec<u32>, models: usize, seed: u64) -> Self {
+    pub fn new(rid: RequestId, prompt: Vec<u32>, models: usize, seed: u64) -> Self {
         Self {
             rid,
             prompt_len: prompt.len(),
@@ -86,7 +106,7 @@ pub struct Handoff {
 /// What a new request brings to `entry`.
 #[derive(Debug, Clone)]
 pub struct RequestInfo {
-    pub rid: u64,
+    pub rid: RequestId,
     pub prompt_len: usize,
     pub seed: u64,
 }
@@ -95,7 +115,7 @@ pub struct RequestInfo {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct PolicyInfo {
     pub name: String,
-    pub kind: &'static str,
+    pub kind: PolicyKind,
     pub models: Vec<ModelIdx>,
     /// True when a learned router decides; false when the training-free rule does.
     pub learned_router: bool,
@@ -106,7 +126,7 @@ pub struct PolicyInfo {
 impl PolicyInfo {
     pub fn new<P: RoutingPolicy + ?Sized>(
         policy: &P,
-        kind: &'static str,
+        kind: PolicyKind,
         learned_router: bool,
         rule: String,
         threshold: f32,
@@ -137,15 +157,14 @@ pub trait RoutingPolicy: Send + Sync + 'static {
 
     fn entry(&self, req: &RequestInfo) -> ModelIdx;
 
-    fn route(&self, req: &RoutingState, step: &StepView) -> Route;
+    /// Routes every request of one model's step at once (`reqs[i]` took `steps[i]`): a
+    /// learned router scores the whole batch in one matrix product.
+    fn route_batch(&self, reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route>;
 
-    /// A whole batch at once; a learned router overrides this to score the batch in one
-    /// matrix product.
-    fn route_batch(&self, reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route> {
-        reqs.iter()
-            .zip(steps)
-            .map(|(r, s)| self.route(r, s))
-            .collect()
+    /// One request's step.
+    fn route(&self, req: &RoutingState, step: &StepView) -> Route {
+        self.route_batch(&[req], std::slice::from_ref(step))
+            .remove(0)
     }
 
     /// Packs the tokens `to` has not seen.
@@ -244,6 +263,6 @@ pub(crate) mod testing {
     }
 
     pub fn state() -> RoutingState {
-        RoutingState::new(1, vec![1, 2, 3], 2, 0)
+        RoutingState::new(RequestId(1), vec![1, 2, 3], 2, 0)
     }
 }

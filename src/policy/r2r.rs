@@ -5,8 +5,8 @@
 
 use super::learned::{R2rRouter, R2R_TOP_K};
 use super::{
-    hidden_rows, one_token_handoffs, slm_stats, ModelIdx, PolicyInfo, RequestInfo, Route,
-    RoutingPolicy, RoutingState, StepView,
+    hidden_rows, one_token_handoffs, slm_stats, ModelIdx, PolicyInfo, PolicyKind, RequestInfo,
+    Route, RoutingPolicy, RoutingState, StepView,
 };
 use crate::engine::Needs;
 
@@ -66,11 +66,6 @@ impl RoutingPolicy for R2r {
         self.models[0]
     }
 
-    fn route(&self, req: &RoutingState, step: &StepView) -> Route {
-        self.route_batch(&[req], std::slice::from_ref(step))
-            .remove(0)
-    }
-
     fn route_batch(&self, _reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route> {
         let [slm, _] = self.models;
         let scores = match &self.router {
@@ -102,7 +97,13 @@ impl RoutingPolicy for R2r {
                 self.threshold
             ),
         };
-        PolicyInfo::new(self, "r2r", self.router.is_some(), rule, self.threshold)
+        PolicyInfo::new(
+            self,
+            PolicyKind::R2r,
+            self.router.is_some(),
+            rule,
+            self.threshold,
+        )
     }
 }
 

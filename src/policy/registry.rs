@@ -1,17 +1,17 @@
 //! Named policies built from the config: every configured policy, plus each model alone
 //! under its own name (`single`), so `--policy <model>` serves that model by itself.
 
-use super::citer::Citer;
-use super::colm::CoLlm;
 use super::ensemble::MixtureEnsemble;
-use super::learned::{CiterRouter, DeferralHead, R2rRouter};
+use super::learned::{CiterRouter, DeferralHead, HiddenScorer, R2rRouter};
+use super::one_token::OneTokenHandoff;
 use super::r2r::R2r;
 use super::rstitch::RStitch;
 use super::single::Single;
-use super::{ModelIdx, SharedPolicy};
+use super::{ModelIdx, PolicyError, PolicyKind, SharedPolicy};
 use crate::config::{Config, PolicyConfig};
 use crate::error::ConfigError;
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 
 pub struct PolicyRegistry {
@@ -55,6 +55,9 @@ impl PolicyRegistry {
     }
 }
 
+/// Loads a learned router from a file for a model of the given hidden size.
+type LoadScorer = fn(&Path, usize) -> Result<Box<dyn HiddenScorer>, PolicyError>;
+
 fn build(
     config: &Config,
     p: &PolicyConfig,
@@ -66,62 +69,64 @@ fn build(
         .iter()
         .map(|m| config.model_index(m).expect("validated with the config"))
         .collect();
-    let pair = || -> Result<(ModelIdx, ModelIdx), ConfigError> {
+    let pair = || -> Result<[ModelIdx; 2], ConfigError> {
         match models[..] {
-            [slm, llm] if slm != llm => Ok((slm, llm)),
+            [slm, llm] if slm != llm => Ok([slm, llm]),
             _ => Err(invalid(format!(
                 "`{}` routes between exactly two different models",
                 p.kind
             ))),
         }
     };
-    let router_path = |kind: &str| -> Result<Option<&std::path::Path>, ConfigError> {
-        match (&p.router, kind) {
-            (Some(path), "r2r" | "citer" | "colm") => Ok(Some(path.as_path())),
-            (Some(_), _) => Err(invalid(format!("`{kind}` takes no router weights"))),
-            (None, _) => Ok(None),
-        }
-    };
+    if p.router.is_some() && !p.kind.takes_router() {
+        return Err(invalid(format!("`{}` takes no router weights", p.kind)));
+    }
     if p.threshold.is_some_and(|t| !t.is_finite()) {
         return Err(invalid("threshold must be a finite number".into()));
     }
-    let policy: SharedPolicy = match p.kind.as_str() {
-        "me" => Arc::new(MixtureEnsemble::new(&p.name, models, &p.weights).map_err(invalid)?),
-        "single" if models.len() == 1 => Arc::new(Single::new(&p.name, models[0])),
-        "single" => return Err(invalid("`single` takes exactly one model".into())),
-        "r2r" => {
-            let (slm, llm) = pair()?;
-            let router = router_path("r2r")?
+    // Loads the learned router of the pair's small model, when the config names one.
+    let router = |load: LoadScorer| {
+        let small = pair()?[0];
+        p.router
+            .as_deref()
+            .map(|path| load(path, hidden_sizes[small]))
+            .transpose()
+            .map_err(|e| invalid(e.to_string()))
+    };
+    let policy: SharedPolicy = match p.kind {
+        PolicyKind::Me => Arc::new(
+            MixtureEnsemble::new(&p.name, models, &p.weights)
+                .map_err(|e| invalid(e.to_string()))?,
+        ),
+        PolicyKind::Single => match models[..] {
+            [model] => Arc::new(Single::new(&p.name, model)),
+            _ => return Err(invalid("`single` takes exactly one model".into())),
+        },
+        PolicyKind::R2r => {
+            let [slm, llm] = pair()?;
+            let router = p
+                .router
+                .as_deref()
                 .map(|path| R2rRouter::load(path, hidden_sizes[slm]))
                 .transpose()
-                .map_err(invalid)?;
+                .map_err(|e| invalid(e.to_string()))?;
             Arc::new(R2r::new(&p.name, slm, llm, p.threshold, router))
         }
-        "citer" => {
-            let (slm, llm) = pair()?;
-            let router = router_path("citer")?
-                .map(|path| CiterRouter::load(path, hidden_sizes[slm]))
-                .transpose()
-                .map_err(invalid)?;
-            Arc::new(Citer::new(&p.name, slm, llm, p.threshold, router))
-        }
-        "rstitch" => {
-            let (slm, llm) = pair()?;
-            router_path("rstitch")?;
+        PolicyKind::Citer => Arc::new(OneTokenHandoff::citer(
+            &p.name,
+            pair()?,
+            p.threshold,
+            router(|path, hidden| Ok(Box::new(CiterRouter::load(path, hidden)?)))?,
+        )),
+        PolicyKind::Colm => Arc::new(OneTokenHandoff::colm(
+            &p.name,
+            pair()?,
+            p.threshold,
+            router(|path, hidden| Ok(Box::new(DeferralHead::load(path, hidden)?)))?,
+        )),
+        PolicyKind::Rstitch => {
+            let [slm, llm] = pair()?;
             Arc::new(RStitch::new(&p.name, slm, llm, p.threshold))
-        }
-        "colm" => {
-            let (base, assistant) = pair()?;
-            let head = router_path("colm")?
-                .map(|path| DeferralHead::load(path, hidden_sizes[base]))
-                .transpose()
-                .map_err(invalid)?;
-            Arc::new(CoLlm::new(&p.name, base, assistant, p.threshold, head))
-        }
-        other => {
-            return Err(invalid(format!(
-                "unknown kind `{other}` (r2r, citer, rstitch, colm, me, single)"
-            )))
         }
     };
     Ok(policy)

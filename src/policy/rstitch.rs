@@ -2,7 +2,9 @@
 //! token and hands over to the LLM; the LLM keeps writing while its own Hn > τ, and its first
 //! token with Hn ≤ τ is kept before control returns. Training-free.
 
-use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{
+    ModelIdx, PolicyInfo, PolicyKind, RequestInfo, Route, RoutingPolicy, RoutingState, StepView,
+};
 
 pub const DEFAULT_THRESHOLD: f32 = 0.03;
 
@@ -40,13 +42,18 @@ impl RoutingPolicy for RStitch {
         self.models[0]
     }
 
-    fn route(&self, _req: &RoutingState, step: &StepView) -> Route {
-        let uncertain = normalised_entropy(step) > self.threshold;
-        match (step.model == self.models[0], uncertain) {
-            (true, true) => Route::RejectAndSwitch(self.models[1]),
-            (true, false) | (false, true) => Route::Stay,
-            (false, false) => Route::CommitThenSwitch(self.models[0]),
-        }
+    fn route_batch(&self, _reqs: &[&RoutingState], steps: &[StepView]) -> Vec<Route> {
+        steps
+            .iter()
+            .map(|step| {
+                let uncertain = normalised_entropy(step) > self.threshold;
+                match (step.model == self.models[0], uncertain) {
+                    (true, true) => Route::RejectAndSwitch(self.models[1]),
+                    (true, false) | (false, true) => Route::Stay,
+                    (false, false) => Route::CommitThenSwitch(self.models[0]),
+                }
+            })
+            .collect()
     }
 
     fn describe(&self) -> PolicyInfo {
@@ -54,7 +61,7 @@ impl RoutingPolicy for RStitch {
             "training-free rule: hand over while normalised entropy of the active model > {}",
             self.threshold
         );
-        PolicyInfo::new(self, "rstitch", false, rule, self.threshold)
+        PolicyInfo::new(self, PolicyKind::Rstitch, false, rule, self.threshold)
     }
 }
 

@@ -1,6 +1,8 @@
 //! `single`: one model serves alone; the baseline every routing policy is compared with.
 
-use super::{ModelIdx, PolicyInfo, RequestInfo, Route, RoutingPolicy, RoutingState, StepView};
+use super::{
+    ModelIdx, PolicyInfo, PolicyKind, RequestInfo, Route, RoutingPolicy, RoutingState, StepView,
+};
 
 pub struct Single {
     name: String,
@@ -24,7 +26,7 @@ impl RoutingPolicy for Single {
     fn describe(&self) -> PolicyInfo {
         PolicyInfo {
             name: self.name.clone(),
-            kind: "single",
+            kind: PolicyKind::Single,
             models: self.model.to_vec(),
             learned_router: false,
             rule: "one model serves alone".into(),
@@ -40,7 +42,7 @@ impl RoutingPolicy for Single {
         self.model[0]
     }
 
-    fn route(&self, _req: &RoutingState, _step: &StepView) -> Route {
-        Route::Stay
+    fn route_batch(&self, reqs: &[&RoutingState], _steps: &[StepView]) -> Vec<Route> {
+        vec![Route::Stay; reqs.len()]
     }
 }

@@ -1,16 +1,21 @@
-//! Actors and messages (DESIGN §6): a supervised `ModelActor` and a `BatcherActor` per model,
-//! a `RequestActor` per request; routing state migrates between models as messages. The
-//! execution mode (`config::ExecutionMode`) switches between lockstep, standard, async and
-//! tokenrouter behaviour inside these same actors.
+//! The runtime: per model a supervised `ModelActor` and a `BatcherActor`, a `RequestActor` per
+//! request; routing state migrates between models as messages. Every decision those actors
+//! take lives in `core` as plain data and functions; `docs/architecture.md` walks through a
+//! request's path and the four execution modes.
 
-pub mod batcher;
-pub mod messages;
-pub mod model;
-pub mod request;
-pub mod stats;
-pub mod system;
-pub mod tuner;
+mod batcher;
+pub(crate) mod core;
+mod live;
+mod messages;
+mod model;
+mod record;
+mod request;
+mod system;
+mod tuner;
 
-pub use messages::{FailureKind, FinishReason, RoutingStats};
+pub use self::core::{FailureKind, FinishReason, ReleaseReason, RequestId, RoutingStats};
+pub use record::{ModelSnapshot, Releases, RuntimeSnapshot, StepInterval};
 pub use request::RequestEvent;
-pub use system::{Completion, GenerateRequest, RequestHandle, Runtime, RuntimeError};
+pub use system::{
+    Completion, GenerateRequest, InvalidRequest, RequestHandle, Runtime, RuntimeError, ValidRequest,
+};

@@ -1,66 +1,51 @@
-//! `ModelActor`: one model's scheduler, executor and private KV cache, on its own arbiter
-//! thread under an actix `Supervisor`. It steps its resident requests, calls the policy in
-//! process, commits and streams tokens, and hands leaving requests to the target's batcher.
-//! A request that leaves stays **pending** here (KV kept) and resumes with a token append.
+//! `ModelActor`: one model's executor and private KV cache, on its own arbiter thread under
+//! an actix `Supervisor`. It carries out its `ModelScheduler`'s decisions (see
+//! `core::scheduler`): admit, make room, step, route, and send the effects on their way. A
+//! request that leaves stays **pending** here (KV kept) and resumes with a token append.
 
 use super::batcher::BatcherActor;
+use super::core::{Effect, ModelScheduler};
+use super::live::LiveRequests;
 use super::messages::{
-    Admit, Committed, Failed, FailureKind, FinishReason, Finished, FreeRequest, InFlight,
-    ModelIdle, Release,
+    Admit, Committed, Failed, Finished, FreeRequest, ModelIdle, Release, Request,
 };
-use super::stats::{RuntimeStats, StepInterval};
+use super::record::{ModelRecorder, StepInterval};
+use super::request::RequestActor;
 use crate::config::ExecutionMode;
-use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput};
-use crate::policy::{ModelIdx, Route, StepView};
-use crate::telemetry::ModelMetrics;
+use crate::engine::{StepExecutor, StepOutput};
+use crate::policy::ModelIdx;
 use actix::prelude::*;
-use dashmap::DashMap;
-use std::collections::{HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-/// A `standard`-mode cache entry: the KV a request left behind, keyed by its tokens.
-struct CachedPrefix {
-    rid: u64,
-    seq: SeqId,
-    tokens: Vec<u32>,
-}
-
-pub struct ModelActor {
+pub(crate) struct ModelActor {
     idx: ModelIdx,
     name: String,
     executor: Box<dyn StepExecutor>,
-    mode: ExecutionMode,
+    scheduler: ModelScheduler<Addr<RequestActor>>,
     batcher: Addr<BatcherActor>,
     /// Every model's batcher, by model index (handoff targets).
     peers: Vec<Addr<BatcherActor>>,
-    resident: Vec<InFlight>,
-    /// The KV sequence of each request this model holds (resident or pending).
-    seqs: HashMap<u64, SeqId>,
-    pending: HashSet<u64>,
-    prefix_cache: Vec<CachedPrefix>,
-    next_seq: SeqId,
-    live: Arc<DashMap<u64, ()>>,
-    stats: Arc<RuntimeStats>,
+    live: LiveRequests,
+    recorder: ModelRecorder,
     /// `lockstep`: one step at a time across all models.
     global_step_lock: Option<Arc<Mutex<()>>>,
     fault_every_steps: u64,
     steps_run: u64,
-    metrics: ModelMetrics,
     /// Every model's name, by index (handoff metric labels).
     model_names: Arc<[String]>,
 }
 
 /// Everything a model actor is built from (kept apart so the supervisor can restart it).
-pub struct ModelActorParts {
+pub(crate) struct ModelActorParts {
     pub idx: ModelIdx,
     pub executor: Box<dyn StepExecutor>,
     pub mode: ExecutionMode,
     pub peers: Vec<Addr<BatcherActor>>,
-    pub live: Arc<DashMap<u64, ()>>,
-    pub stats: Arc<RuntimeStats>,
+    pub live: LiveRequests,
+    pub recorder: ModelRecorder,
     pub global_step_lock: Option<Arc<Mutex<()>>>,
     pub fault_every_steps: u64,
     pub model_names: Arc<[String]>,
@@ -71,234 +56,97 @@ impl ModelActor {
         let name = parts.executor.name().to_string();
         Self {
             idx: parts.idx,
-            metrics: ModelMetrics::new(&name),
+            scheduler: ModelScheduler::new(parts.idx, parts.peers.len(), &name, parts.mode),
             name,
             model_names: parts.model_names,
             batcher: parts.peers[parts.idx].clone(),
             executor: parts.executor,
-            mode: parts.mode,
             peers: parts.peers,
-            resident: Vec::new(),
-            seqs: HashMap::new(),
-            pending: HashSet::new(),
-            prefix_cache: Vec::new(),
-            next_seq: 0,
             live: parts.live,
-            stats: parts.stats,
+            recorder: parts.recorder,
             global_step_lock: parts.global_step_lock,
             fault_every_steps: parts.fault_every_steps,
             steps_run: 0,
         }
     }
 
-    fn new_seq(&mut self, rid: u64) -> SeqId {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.seqs.insert(rid, seq);
-        self.stats.models[self.idx]
-            .kv_allocations
-            .fetch_add(1, Ordering::Relaxed);
-        seq
-    }
-
-    fn release_seq(&mut self, rid: u64) {
-        if let Some(seq) = self.seqs.remove(&rid) {
-            self.executor.free(seq);
-        }
-        self.pending.remove(&rid);
-        let executor = &mut self.executor;
-        self.prefix_cache.retain(|c| {
-            if c.rid == rid {
-                executor.free(c.seq);
-            }
-            c.rid != rid
-        });
-    }
-
-    /// Takes an arrival into the resident set with its KV ready for the unseen tokens.
-    fn admit(&mut self, mut arrival: InFlight) {
-        let rid = arrival.state.rid;
-        if !self.live.contains_key(&rid) {
-            self.release_seq(rid);
-            return;
-        }
-        if let Some(handoff) = arrival.handoff.take() {
-            arrival.params.policy.receive(&mut arrival.state, &handoff);
-        }
-        arrival.state.current = self.idx;
-        self.pending.remove(&rid);
-        let mut seen = match self.mode {
-            ExecutionMode::Standard => self.prefix_lookup(rid, &arrival.state.tokens),
-            _ => self.resume(rid, arrival.state.seen[self.idx]),
-        };
-        let committed = arrival.state.tokens.len();
-        if seen >= committed {
-            // Nothing unseen (its own candidate here was rejected): recompute the last position.
-            seen = committed - 1;
-            self.executor.truncate(self.seqs[&rid], seen);
-        }
-        arrival.state.seen[self.idx] = seen;
-        self.resident.push(arrival);
-    }
-
-    /// `standard`: a return is a new request: longest cached prefix, fresh allocation, copy.
-    fn prefix_lookup(&mut self, rid: u64, tokens: &[u32]) -> usize {
-        self.stats.models[self.idx]
-            .prefix_lookups
-            .fetch_add(1, Ordering::Relaxed);
-        let limit = tokens.len() - 1;
-        let best = self
-            .prefix_cache
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let common = c
-                    .tokens
-                    .iter()
-                    .zip(tokens)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                (i, common.min(limit))
-            })
-            .max_by_key(|&(_, common)| common);
-        let seq = self.new_seq(rid);
-        let Some((i, matched)) = best.filter(|&(_, m)| m > 0) else {
-            return 0;
-        };
-        let source = self.prefix_cache[i].seq;
-        let copied = self.executor.fork_prefix(source, seq, matched).is_ok();
-        // The request's own leftover is superseded by the new copy; another request's entry
-        // stays cached for its owner.
-        if self.prefix_cache[i].rid == rid {
-            self.prefix_cache.swap_remove(i);
-            self.executor.free(source);
-        }
-        if copied {
-            matched
-        } else {
-            0
-        }
-    }
-
-    /// `async`/`tokenrouter`/`lockstep`: the request's KV is still here; append from `seen`.
-    /// Where it is gone (the actor restarted meanwhile) the request is re-admitted from its
-    /// committed tokens.
-    fn resume(&mut self, rid: u64, seen: usize) -> usize {
-        match self.seqs.get(&rid).copied() {
-            Some(seq) if self.executor.seq_len(seq) == seen => seen,
-            Some(seq) => {
-                self.executor.free(seq);
-                self.new_seq(rid);
-                0
-            }
-            None => {
-                self.new_seq(rid);
-                0
-            }
-        }
-    }
-
-    /// KV this step's appends need beyond what is free.
-    fn kv_shortfall(&self) -> usize {
-        let kv = self.executor.kv();
-        let needed: usize = self
-            .resident
-            .iter()
-            .map(|r| kv.tokens_needed(self.seqs[&r.state.rid], r.state.unseen(self.idx).len()))
-            .sum();
-        needed.saturating_sub(kv.free_tokens())
-    }
-
-    /// Makes this step fit the KV budget. Cached prefixes and pending requests give up their
-    /// KV first (a pending request re-prefills from its committed tokens when it returns:
-    /// preempted, then resumed); only if the resident batch alone does not fit do the newest
-    /// residents fail, cleanly and retryably, so the others keep going.
-    fn make_room(&mut self) {
-        if self.kv_shortfall() == 0 {
-            return;
-        }
-        for cached in std::mem::take(&mut self.prefix_cache) {
-            self.executor.free(cached.seq);
-        }
-        let pending: Vec<u64> = self.pending.iter().copied().collect();
-        for rid in pending {
-            if self.kv_shortfall() == 0 {
-                return;
-            }
-            self.release_seq(rid);
-            self.stats.models[self.idx]
-                .preemptions
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        while self.kv_shortfall() > 0 {
-            let Some(r) = self.resident.pop() else { return };
-            let capacity = self.executor.kv_usage().capacity_tokens;
-            r.client.do_send(Failed {
-                message: format!(
-                    "model `{}`: KV cache full ({capacity} tokens); retry later",
-                    self.name
-                ),
-                kind: FailureKind::Capacity,
-            });
-            self.release_seq(r.state.rid);
-        }
-    }
-
-    fn fail_resident(&mut self, message: &str) {
-        for r in std::mem::take(&mut self.resident) {
-            r.client.do_send(Failed {
-                message: message.to_string(),
-                kind: FailureKind::Fault,
-            });
-            self.release_seq(r.state.rid);
-        }
-    }
-
-    /// Publishes this model's KV usage and pending count to the shared stats.
+    /// Publishes this model's KV usage and scheduler state.
     fn publish_usage(&self) {
-        let stats = &self.stats.models[self.idx];
-        stats
-            .kv_tokens_used
-            .store(self.executor.kv_usage().used_tokens, Ordering::Relaxed);
-        stats.pending.store(self.pending.len(), Ordering::Relaxed);
-        self.metrics
-            .usage(self.executor.kv_usage().used_tokens, self.pending.len());
+        self.recorder.usage(
+            self.executor.kv_usage().used_tokens,
+            self.scheduler.pending(),
+            self.scheduler.counters(),
+        );
     }
 
     fn report_idle(&self) {
         self.publish_usage();
         self.batcher.do_send(ModelIdle {
-            resident_ready: self.resident.len(),
+            resident_ready: self.scheduler.resident(),
         });
     }
 
-    fn step(&mut self, ctx: &mut Context<Self>) {
-        let dead: Vec<u64> = self
-            .resident
-            .iter()
-            .map(|r| r.state.rid)
-            .filter(|rid| !self.live.contains_key(rid))
-            .collect();
-        self.resident.retain(|r| !dead.contains(&r.state.rid));
-        for rid in dead {
-            self.release_seq(rid);
+    /// Sends the scheduler's effects on their way; a step's handoffs to one model travel
+    /// together.
+    fn carry_out(&self, effects: Vec<Effect<Addr<RequestActor>>>) {
+        let mut leaving: BTreeMap<ModelIdx, Vec<Request>> = BTreeMap::new();
+        for effect in effects {
+            match effect {
+                Effect::Commit {
+                    client,
+                    token,
+                    policy,
+                } => {
+                    self.recorder.committed(policy.name());
+                    client.do_send(Committed {
+                        token,
+                        model: self.idx,
+                    });
+                }
+                Effect::Finish {
+                    client,
+                    reason,
+                    stats,
+                    prompt_tokens,
+                } => client.do_send(Finished {
+                    reason,
+                    stats,
+                    prompt_tokens,
+                }),
+                Effect::Fail {
+                    client,
+                    message,
+                    kind,
+                } => {
+                    tracing::debug!(model = %self.name, %message, "request failed");
+                    client.do_send(Failed { message, kind });
+                }
+                Effect::HandOff { to, request } => {
+                    self.recorder
+                        .handoff(&self.model_names[to], request.params.policy.name());
+                    leaving.entry(to).or_default().push(request);
+                }
+            }
         }
-        self.make_room();
-        if self.resident.is_empty() {
+        for (to, arrivals) in leaving {
+            self.peers[to].do_send(Admit(arrivals));
+        }
+    }
+
+    fn step(&mut self, ctx: &mut Context<Self>) {
+        let live = &self.live;
+        self.scheduler
+            .drop_ended(&mut self.executor, |rid| live.contains(rid));
+        let evicted = self.scheduler.make_room(&mut self.executor);
+        self.carry_out(evicted);
+        if self.scheduler.resident() == 0 {
             self.report_idle();
             return;
         }
-        let work: Vec<SeqWork> = self
-            .resident
-            .iter()
-            .map(|r| SeqWork {
-                seq: self.seqs[&r.state.rid],
-                tokens: r.state.unseen(self.idx).to_vec(),
-                sampling: r.params.sampling,
-                needs: r.params.policy.needs(),
-            })
-            .collect();
+        let work = self.scheduler.schedule();
         let tokens: usize = work.iter().map(|w| w.tokens.len()).sum();
+        let span = tracing::debug_span!("step", model = %self.name, batch = work.len(), tokens);
+        let _entered = span.enter();
         self.steps_run += 1;
         let inject_fault =
             self.fault_every_steps > 0 && self.steps_run.is_multiple_of(self.fault_every_steps);
@@ -323,20 +171,24 @@ impl ModelActor {
                     .map(|s| s.to_string())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "panic".into());
+                tracing::error!(model = %self.name, "crashed during a step ({what}); restarting");
                 let message = format!(
                     "model `{}` crashed during a step ({what}); it restarts",
                     self.name
                 );
-                self.fail_resident(&message);
+                let failed = self.scheduler.fail_resident(&mut self.executor, &message);
+                self.carry_out(failed);
                 ctx.stop();
             }
             Ok(Err(e)) => {
-                self.fail_resident(&format!("model `{}`: {e}", self.name));
+                tracing::warn!(model = %self.name, "step failed: {e}");
+                let message = format!("model `{}`: {e}", self.name);
+                let failed = self.scheduler.fail_resident(&mut self.executor, &message);
+                self.carry_out(failed);
                 self.report_idle();
             }
             Ok(Ok(outputs)) => {
-                self.metrics.step((end - start).as_secs_f64(), work.len());
-                self.stats.models[self.idx].record_step(
+                self.recorder.step(
                     StepInterval {
                         start,
                         end,
@@ -344,123 +196,26 @@ impl ModelActor {
                     },
                     tokens,
                 );
-                self.apply_routes(outputs);
+                self.apply(&outputs);
                 self.report_idle();
             }
         }
     }
 
-    /// Asks each request's policy (per policy, over the batch) and acts on the answers.
-    fn apply_routes(&mut self, outputs: Vec<StepOutput>) {
-        let residents = std::mem::take(&mut self.resident);
-        let routes = self.decide(&residents, &outputs);
-        let mut leaving: HashMap<ModelIdx, Vec<InFlight>> = HashMap::new();
-        for ((mut r, out), route) in residents.into_iter().zip(outputs).zip(routes) {
-            r.state.seen[self.idx] = r.state.tokens.len();
-            let leave_to = match route {
-                Route::Stay => None,
-                Route::CommitThenSwitch(to) | Route::RejectAndSwitch(to) => Some(to),
-            };
-            if let Some(to) = leave_to {
-                if to >= self.peers.len() || to == self.idx {
-                    let message = format!(
-                        "policy `{}` routed to invalid model {to}",
-                        r.params.policy.name()
-                    );
-                    r.client.do_send(Failed {
-                        message,
-                        kind: FailureKind::Fault,
-                    });
-                    self.release_seq(r.state.rid);
-                    continue;
-                }
-            }
-            let commits = !matches!(route, Route::RejectAndSwitch(_));
-            if commits && self.commit(&mut r, out.candidate) {
-                self.release_seq(r.state.rid);
-                continue;
-            }
-            self.stats.models[self.idx].record_route(leave_to.unwrap_or(self.idx), commits as u64);
-            match leave_to {
-                None => self.resident.push(r),
-                Some(to) => leaving.entry(to).or_default().push(self.hand_off(r, to)),
-            }
+    /// Routes each resident's step through its policy and applies the answers.
+    fn apply(&mut self, outputs: &[StepOutput]) {
+        let routes = self.scheduler.decide(outputs);
+        let candidates: Vec<u32> = outputs.iter().map(|o| o.candidate).collect();
+        let (effects, transitions) = self.scheduler.update_from_output(
+            &mut self.executor,
+            &candidates,
+            &routes,
+            Instant::now(),
+        );
+        for (to, committed) in transitions {
+            self.recorder.routed(to, committed);
         }
-        for (to, arrivals) in leaving {
-            self.peers[to].do_send(Admit(arrivals));
-        }
-    }
-
-    fn decide(&self, residents: &[InFlight], outputs: &[StepOutput]) -> Vec<Route> {
-        let mut routes = vec![Route::Stay; residents.len()];
-        let mut groups: HashMap<*const (), Vec<usize>> = HashMap::new();
-        for (i, r) in residents.iter().enumerate() {
-            let key = Arc::as_ptr(&r.params.policy) as *const ();
-            groups.entry(key).or_default().push(i);
-        }
-        for indices in groups.values() {
-            let policy = &residents[indices[0]].params.policy;
-            let states: Vec<_> = indices.iter().map(|&i| &residents[i].state).collect();
-            let views: Vec<StepView> = indices
-                .iter()
-                .map(|&i| StepView {
-                    model: self.idx,
-                    candidate: outputs[i].candidate,
-                    stats: &outputs[i].stats,
-                    logits: &outputs[i].logits,
-                    hidden: outputs[i].hidden.as_deref(),
-                    embedding: outputs[i].candidate_embedding.as_deref(),
-                })
-                .collect();
-            for (&i, route) in indices.iter().zip(policy.route_batch(&states, &views)) {
-                routes[i] = route;
-            }
-        }
-        routes
-    }
-
-    /// Commits a token and streams it; returns true when the generation is over.
-    fn commit(&self, r: &mut InFlight, token: u32) -> bool {
-        let finish = if r.params.eos.contains(&token) {
-            Some(FinishReason::Stop)
-        } else {
-            r.state.tokens.push(token);
-            r.stats.tokens_per_model[self.idx] += 1;
-            self.metrics.committed(r.params.policy.name(), 1);
-            r.client.do_send(Committed {
-                tokens: vec![token],
-                model: self.idx,
-            });
-            (r.state.generated().len() >= r.params.max_tokens).then_some(FinishReason::Length)
-        };
-        if let Some(reason) = finish {
-            r.client.do_send(Finished {
-                reason,
-                stats: r.stats.clone(),
-                prompt_tokens: r.state.prompt_len,
-            });
-        }
-        finish.is_some()
-    }
-
-    /// Packs a leaving request for `to` and marks it pending here (or caches its prefix in
-    /// `standard` mode); the caller sends it with the step's other handoffs.
-    fn hand_off(&mut self, mut r: InFlight, to: ModelIdx) -> InFlight {
-        let rid = r.state.rid;
-        r.handoff = Some(r.params.policy.send(&r.state, to));
-        r.stats.handoffs += 1;
-        self.metrics
-            .handoff(&self.model_names[to], r.params.policy.name());
-        r.arrived = Instant::now();
-        if self.mode == ExecutionMode::Standard {
-            if let Some(seq) = self.seqs.remove(&rid) {
-                let tokens = r.state.tokens[..r.state.seen[self.idx]].to_vec();
-                self.prefix_cache.push(CachedPrefix { rid, seq, tokens });
-            }
-        } else {
-            self.pending.insert(rid);
-        }
-        r
+        self.carry_out(effects);
     }
 }
 
@@ -477,14 +232,8 @@ impl Supervised for ModelActor {
     /// their committed tokens when they return.
     fn restarting(&mut self, _ctx: &mut Context<Self>) {
         self.executor.clear_kv();
-        self.resident.clear();
-        self.seqs.clear();
-        self.pending.clear();
-        self.prefix_cache.clear();
-        self.stats.models[self.idx]
-            .restarts
-            .fetch_add(1, Ordering::Relaxed);
-        self.metrics.restarted();
+        self.scheduler.reset();
+        self.recorder.restarted();
     }
 }
 
@@ -493,7 +242,8 @@ impl Handler<Release> for ModelActor {
 
     fn handle(&mut self, msg: Release, ctx: &mut Context<Self>) {
         for arrival in msg.arrivals {
-            self.admit(arrival);
+            let live = self.live.contains(arrival.rid());
+            self.scheduler.admit(&mut self.executor, arrival, live);
         }
         self.step(ctx);
     }
@@ -503,8 +253,7 @@ impl Handler<FreeRequest> for ModelActor {
     type Result = ();
 
     fn handle(&mut self, msg: FreeRequest, _ctx: &mut Context<Self>) {
-        self.resident.retain(|r| r.state.rid != msg.rid);
-        self.release_seq(msg.rid);
+        self.scheduler.free_request(&mut self.executor, msg.rid);
         self.publish_usage();
     }
 }

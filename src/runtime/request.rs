@@ -3,16 +3,13 @@
 //! model and batcher drop the request.
 
 use super::batcher::BatcherActor;
-use super::messages::{
-    Admit, Cancel, Committed, Failed, FailureKind, FinishReason, Finished, FreeRequest,
-    RoutingStats, Start, Withdraw,
-};
+use super::core::{FailureKind, FinishReason, RequestId, RoutingStats};
+use super::live::LiveRequests;
+use super::messages::{Admit, Cancel, Committed, Failed, Finished, FreeRequest, Start, Withdraw};
 use super::model::ModelActor;
 use crate::policy::ModelIdx;
 use crate::telemetry::{RequestMetrics, RequestStatus};
 use actix::prelude::*;
-use dashmap::DashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -34,12 +31,14 @@ pub enum RequestEvent {
     },
 }
 
-pub struct RequestActor {
-    rid: u64,
+pub(crate) struct RequestActor {
+    rid: RequestId,
     events: UnboundedSender<RequestEvent>,
     models: Vec<Addr<ModelActor>>,
     batchers: Vec<Addr<BatcherActor>>,
-    live: Arc<DashMap<u64, ()>>,
+    live: LiveRequests,
+    /// Open for the request's whole life: `RUST_LOG=debug` shows its events and its close.
+    span: tracing::Span,
     deadline: Option<Duration>,
     metrics: RequestMetrics,
     submitted: Instant,
@@ -51,15 +50,16 @@ pub struct RequestActor {
 
 impl RequestActor {
     pub fn new(
-        rid: u64,
+        rid: RequestId,
         policy: &str,
         events: UnboundedSender<RequestEvent>,
         models: Vec<Addr<ModelActor>>,
         batchers: Vec<Addr<BatcherActor>>,
-        live: Arc<DashMap<u64, ()>>,
+        live: LiveRequests,
         deadline: Option<Duration>,
     ) -> Self {
         Self {
+            span: tracing::debug_span!("request", %rid, policy),
             rid,
             events,
             models,
@@ -78,6 +78,7 @@ impl RequestActor {
             FailureKind::Deadline => RequestStatus::Deadline,
             FailureKind::Fault | FailureKind::Capacity => RequestStatus::Failed,
         };
+        tracing::debug!(parent: &self.span, ?kind, %message, "failed");
         let _ = self.events.send(RequestEvent::Failed { message, kind });
         ctx.stop();
     }
@@ -100,9 +101,10 @@ impl Actor for RequestActor {
 
     /// Whatever ended the request, every model frees its KV and every batcher forgets it.
     fn stopped(&mut self, _ctx: &mut Context<Self>) {
-        self.metrics
-            .ended(self.status, self.submitted.elapsed().as_secs_f64());
-        self.live.remove(&self.rid);
+        let seconds = self.submitted.elapsed().as_secs_f64();
+        tracing::debug!(parent: &self.span, status = self.status.as_str(), seconds, "ended");
+        self.metrics.ended(self.status, seconds);
+        self.live.remove(self.rid);
         for model in &self.models {
             model.do_send(FreeRequest { rid: self.rid });
         }
@@ -117,6 +119,7 @@ impl Handler<Start> for RequestActor {
 
     fn handle(&mut self, msg: Start, _ctx: &mut Context<Self>) {
         let entry = msg.0.state.current;
+        tracing::debug!(parent: &self.span, prompt_tokens = msg.0.state.prompt_len, entry, "started");
         self.batchers[entry].do_send(Admit(vec![msg.0]));
     }
 }
@@ -130,24 +133,16 @@ impl Handler<Committed> for RequestActor {
             None => self
                 .metrics
                 .first_token((now - self.submitted).as_secs_f64()),
-            Some(last) => {
-                let gap = (now - last).as_secs_f64() / msg.tokens.len().max(1) as f64;
-                for _ in &msg.tokens {
-                    self.metrics.inter_token(gap);
-                }
-            }
+            Some(last) => self.metrics.inter_token((now - last).as_secs_f64()),
         }
         self.last_token = Some(now);
-        for id in msg.tokens {
-            let event = RequestEvent::Token {
-                id,
-                model: msg.model,
-            };
-            if self.events.send(event).is_err() {
-                // The client is gone: cancel.
-                ctx.stop();
-                return;
-            }
+        let event = RequestEvent::Token {
+            id: msg.token,
+            model: msg.model,
+        };
+        if self.events.send(event).is_err() {
+            // The client is gone: cancel.
+            ctx.stop();
         }
     }
 }

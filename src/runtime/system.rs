@@ -2,12 +2,14 @@
 //! that the CLI, the server and the bench call. Must be used inside a running actix System.
 
 use super::batcher::{AttachModel, BatcherActor};
-use super::messages::{
-    Cancel, FailureKind, FinishReason, InFlight, RequestParams, RoutingStats, Start,
+use super::core::{
+    BatchGate, FailureKind, FinishReason, InFlight, RequestId, RequestParams, RoutingStats,
 };
+use super::live::LiveRequests;
+use super::messages::{Cancel, Start};
 use super::model::{ModelActor, ModelActorParts};
+use super::record::{ModelRecorder, RuntimeSnapshot};
 use super::request::{RequestActor, RequestEvent};
-use super::stats::RuntimeStats;
 use super::tuner::{TunerActor, TunerSettings};
 use crate::config::{Config, ExecutionMode, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
@@ -15,12 +17,11 @@ use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{load_executor, SamplingParams, StepExecutor};
 use crate::error::{ConfigError, EngineError};
 use crate::policy::registry::PolicyRegistry;
-use crate::policy::{RequestInfo, RoutingState};
+use crate::policy::{PolicyKind, RequestInfo, RoutingState, SharedPolicy};
 use crate::telemetry;
 use crate::tuning::AffineLatency;
 use actix::prelude::*;
 use arc_swap::ArcSwap;
-use dashmap::DashMap;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,6 +34,8 @@ pub enum RuntimeError {
     UnknownPolicy(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    #[error("invalid request: {0}")]
+    Invalid(#[from] InvalidRequest),
     #[error("generation failed: {0}")]
     Failed(String),
     /// Out of capacity (KV); the same request may succeed later.
@@ -58,6 +61,50 @@ impl RuntimeError {
     }
 }
 
+/// Why a request can never run as asked (the same request will fail again).
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidRequest {
+    #[error("the prompt has no tokens")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    NoTokensAsked,
+    #[error(
+        "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the models' \
+         context of {context} tokens"
+    )]
+    Context {
+        prompt: usize,
+        max_tokens: usize,
+        context: usize,
+    },
+    #[error(
+        "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds model `{model}`'s \
+         whole KV budget of {capacity} tokens (kv_tokens)"
+    )]
+    KvBudget {
+        prompt: usize,
+        max_tokens: usize,
+        model: String,
+        capacity: usize,
+    },
+}
+
+/// A request checked by `Runtime::validate`: its policy resolved, its size known to fit.
+pub struct ValidRequest {
+    prompt: Vec<u32>,
+    policy: SharedPolicy,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    timeout: Option<Duration>,
+    ignore_eos: bool,
+}
+
+impl ValidRequest {
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt.len()
+    }
+}
+
 /// One generation as submitted to the runtime (token ids in, token ids out).
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
@@ -74,7 +121,7 @@ pub struct GenerateRequest {
 /// The result of a finished generation.
 #[derive(Debug, Clone)]
 pub struct Completion {
-    pub rid: u64,
+    pub rid: RequestId,
     pub policy: String,
     pub token_ids: Vec<u32>,
     pub finish_reason: FinishReason,
@@ -87,7 +134,7 @@ pub struct Completion {
 /// A submitted request: its event stream, and a way to cancel it. Dropping the handle
 /// cancels the request (a client that went away frees its KV everywhere).
 pub struct RequestHandle {
-    pub rid: u64,
+    pub rid: RequestId,
     pub policy: String,
     pub events: UnboundedReceiver<RequestEvent>,
     actor: Addr<RequestActor>,
@@ -167,9 +214,9 @@ pub struct Runtime {
     /// `None` when every model is a latency-profile simulation.
     tokenizer: Option<Arc<ModelTokenizer>>,
     eos: Arc<BTreeSet<u32>>,
-    live: Arc<DashMap<u64, ()>>,
+    live: LiveRequests,
     next_rid: AtomicU64,
-    stats: Arc<RuntimeStats>,
+    recorders: Vec<ModelRecorder>,
     mode: ExecutionMode,
 }
 
@@ -226,26 +273,30 @@ impl Runtime {
         let policies = PolicyRegistry::from_config(config, &hidden_sizes)?;
         for policy in policies.all() {
             let info = policy.describe();
-            if info.kind != "single" {
-                eprintln!("policy `{}` ({}): {}", info.name, info.kind, info.rule);
+            if info.kind != PolicyKind::Single {
+                tracing::info!(policy = %info.name, kind = %info.kind, "{}", info.rule);
             }
         }
-        let initial_thresholds: Vec<usize> =
-            config.models.iter().map(|m| m.batch_threshold).collect();
-        let stats = Arc::new(RuntimeStats::new(&initial_thresholds));
+        let models = config.models.len();
+        let recorders: Vec<ModelRecorder> = config
+            .models
+            .iter()
+            .map(|m| ModelRecorder::new(&m.name, models, m.batch_threshold))
+            .collect();
         let model_names: Arc<[String]> = config.models.iter().map(|m| m.name.clone()).collect();
-        let live = Arc::new(DashMap::new());
+        let live = LiveRequests::default();
         let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
         let batch_arbiter = Arbiter::new();
         let batchers: Vec<Addr<BatcherActor>> = config
             .models
             .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let (live, stats) = (live.clone(), stats.clone());
-                let (threshold, name) = (m.batch_threshold, m.name.clone());
+            .zip(&recorders)
+            .map(|(m, recorder)| {
+                let (live, recorder) = (live.clone(), recorder.clone());
+                let delayed = mode == ExecutionMode::Tokenrouter;
+                let gate = BatchGate::new(delayed, m.batch_threshold, timeout);
                 BatcherActor::start_in_arbiter(&batch_arbiter.handle(), move |_| {
-                    BatcherActor::new(i, &name, mode, threshold, timeout, live, stats)
+                    BatcherActor::new(gate, live, recorder)
                 })
             })
             .collect();
@@ -262,9 +313,10 @@ impl Runtime {
                         .map(|p| p.map(|[a_ms, c_ms]| AffineLatency { a_ms, c_ms }))
                         .collect(),
                 };
-                let (stats, live, batchers) = (stats.clone(), live.clone(), batchers.clone());
+                let (recorders, live, batchers) =
+                    (recorders.clone(), live.clone(), batchers.clone());
                 TunerActor::start_in_arbiter(&arbiter.handle(), move |_| {
-                    TunerActor::new(settings, stats, live, batchers)
+                    TunerActor::new(settings, recorders, live, batchers)
                 });
                 arbiter
             });
@@ -279,7 +331,7 @@ impl Runtime {
                 mode,
                 peers: batchers.clone(),
                 live: live.clone(),
-                stats: stats.clone(),
+                recorder: recorders[idx].clone(),
                 global_step_lock: global_step_lock.clone(),
                 fault_every_steps: model_config.fault_every_steps,
                 model_names: model_names.clone(),
@@ -307,7 +359,7 @@ impl Runtime {
             eos,
             live,
             next_rid: AtomicU64::new(1),
-            stats,
+            recorders,
             mode,
         })
     }
@@ -337,8 +389,13 @@ impl Runtime {
             .fold(self.context_length, usize::min)
     }
 
-    pub fn stats(&self) -> &Arc<RuntimeStats> {
-        &self.stats
+    /// Every figure the runtime keeps, as of now.
+    pub fn snapshot(&self) -> RuntimeSnapshot {
+        RuntimeSnapshot {
+            mode: self.mode,
+            live_requests: self.live.len(),
+            models: self.recorders.iter().map(ModelRecorder::snapshot).collect(),
+        }
     }
 
     pub fn model_names(&self) -> Vec<&str> {
@@ -379,11 +436,7 @@ impl Runtime {
 
     /// Each model's delayed-batching threshold in force.
     pub fn thresholds(&self) -> Vec<usize> {
-        self.stats
-            .models
-            .iter()
-            .map(|m| m.threshold.load(Ordering::Relaxed))
-            .collect()
+        self.snapshot().models.iter().map(|m| m.threshold).collect()
     }
 
     /// Requests that have not ended yet.
@@ -393,15 +446,16 @@ impl Runtime {
 
     /// KV tokens held per model, as last reported by the model actors.
     pub fn kv_tokens_used(&self) -> Vec<usize> {
-        self.stats
+        self.snapshot()
             .models
             .iter()
-            .map(|m| m.kv_tokens_used.load(Ordering::Relaxed))
+            .map(|m| m.kv_tokens_used)
             .collect()
     }
 
-    /// Starts a generation; its tokens arrive on the handle's event stream.
-    pub fn submit(&self, request: GenerateRequest) -> Result<RequestHandle, RuntimeError> {
+    /// Checks a request against the policy registry, the models' context and each routed
+    /// model's KV budget, once: the runtime never re-checks a `ValidRequest`.
+    pub fn validate(&self, request: GenerateRequest) -> Result<ValidRequest, RuntimeError> {
         let registry = self.policies.load();
         let policy = match &request.policy {
             Some(name) => registry
@@ -409,46 +463,69 @@ impl Runtime {
                 .ok_or_else(|| RuntimeError::UnknownPolicy(name.clone()))?,
             None => registry.default_policy(),
         };
-        if request.prompt.is_empty() {
-            return Err(RuntimeError::InvalidRequest(
-                "the prompt has no tokens".into(),
-            ));
+        let (prompt, max_tokens) = (request.prompt.len(), request.max_tokens);
+        if prompt == 0 {
+            return Err(InvalidRequest::EmptyPrompt.into());
         }
-        if request.max_tokens == 0 {
-            return Err(RuntimeError::InvalidRequest(
-                "max_tokens must be at least 1".into(),
-            ));
+        if max_tokens == 0 {
+            return Err(InvalidRequest::NoTokensAsked.into());
         }
-        if request.prompt.len().saturating_add(request.max_tokens) > self.context_length {
-            return Err(RuntimeError::InvalidRequest(format!(
-                "the prompt ({} tokens) plus max_tokens ({}) exceeds the models' context of {} tokens",
-                request.prompt.len(),
-                request.max_tokens,
-                self.context_length
-            )));
+        let needed = prompt.saturating_add(max_tokens);
+        if needed > self.context_length {
+            return Err(InvalidRequest::Context {
+                prompt,
+                max_tokens,
+                context: self.context_length,
+            }
+            .into());
         }
-        let needed = request.prompt.len().saturating_add(request.max_tokens);
         for &m in policy.models() {
-            let (name, capacity) = &self.kv_capacity[m];
+            let (model, capacity) = &self.kv_capacity[m];
             if needed > *capacity {
-                return Err(RuntimeError::InvalidRequest(format!(
-                    "the prompt ({} tokens) plus max_tokens ({}) exceeds model `{name}`'s whole KV \
-                     budget of {capacity} tokens (kv_tokens)",
-                    request.prompt.len(),
-                    request.max_tokens
-                )));
+                return Err(InvalidRequest::KvBudget {
+                    prompt,
+                    max_tokens,
+                    model: model.clone(),
+                    capacity: *capacity,
+                }
+                .into());
             }
         }
-        let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
-        let seed = request.sampling.seed;
-        let mut state = RoutingState::new(rid, request.prompt, self.slots.len(), seed);
+        Ok(ValidRequest {
+            prompt: request.prompt,
+            policy,
+            max_tokens,
+            sampling: request.sampling,
+            timeout: request.timeout,
+            ignore_eos: request.ignore_eos,
+        })
+    }
+
+    /// Validates and starts a generation.
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestHandle, RuntimeError> {
+        Ok(self.launch(self.validate(request)?))
+    }
+
+    /// Starts a validated generation; its tokens arrive on the handle's event stream.
+    pub fn launch(&self, request: ValidRequest) -> RequestHandle {
+        let ValidRequest {
+            prompt,
+            policy,
+            max_tokens,
+            sampling,
+            timeout,
+            ignore_eos,
+        } = request;
+        let rid = RequestId(self.next_rid.fetch_add(1, Ordering::Relaxed));
+        let seed = sampling.seed;
+        let mut state = RoutingState::new(rid, prompt, self.slots.len(), seed);
         state.current = policy.entry(&RequestInfo {
             rid,
             prompt_len: state.prompt_len,
             seed,
         });
         let (tx, rx) = unbounded_channel();
-        self.live.insert(rid, ());
+        self.live.insert(rid);
         let models = self.slots.iter().map(|s| s.model.clone()).collect();
         let batchers = self.slots.iter().map(|s| s.batcher.clone()).collect();
         let actor = RequestActor::new(
@@ -458,7 +535,7 @@ impl Runtime {
             models,
             batchers,
             self.live.clone(),
-            request.timeout,
+            timeout,
         )
         .start();
         let policy_name = policy.name().to_string();
@@ -468,9 +545,9 @@ impl Runtime {
                 handoffs: 0,
             },
             params: RequestParams {
-                max_tokens: request.max_tokens,
-                sampling: request.sampling,
-                eos: if request.ignore_eos {
+                max_tokens,
+                sampling,
+                eos: if ignore_eos {
                     Arc::default()
                 } else {
                     self.eos.clone()
@@ -483,13 +560,13 @@ impl Runtime {
             arrived: Instant::now(),
         };
         actor.do_send(Start(in_flight));
-        Ok(RequestHandle {
+        RequestHandle {
             rid,
             policy: policy_name,
             events: rx,
             actor,
             submitted: Instant::now(),
-        })
+        }
     }
 
     /// Stops every actor thread.

@@ -4,13 +4,12 @@
 //! every wait, so a poor estimate costs throughput, never liveness.
 
 use super::batcher::BatcherActor;
+use super::live::LiveRequests;
 use super::messages::SetThreshold;
-use super::stats::RuntimeStats;
+use super::record::ModelRecorder;
 use crate::tuning::online::{fit_latency, RoutingEstimate};
 use crate::tuning::{search, AffineLatency, DtmcModel};
 use actix::prelude::*;
-use dashmap::DashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Weight of the newest tuning period in the routing EWMA.
@@ -21,7 +20,7 @@ const LATENCY_SAMPLES: usize = 512;
 /// (and the solve) small; thresholds are integers, so the grid barely moves them.
 const ONLINE_DELTA_MS: f64 = 0.5;
 
-pub struct TunerSettings {
+pub(crate) struct TunerSettings {
     pub interval: Duration,
     /// Largest N solved for; more live requests use B*(max).
     pub max_requests: usize,
@@ -30,10 +29,10 @@ pub struct TunerSettings {
     pub latency_prior: Vec<Option<AffineLatency>>,
 }
 
-pub struct TunerActor {
+pub(crate) struct TunerActor {
     settings: TunerSettings,
-    stats: Arc<RuntimeStats>,
-    live: Arc<DashMap<u64, ()>>,
+    recorders: Vec<ModelRecorder>,
+    live: LiveRequests,
     batchers: Vec<Addr<BatcherActor>>,
     routing: RoutingEstimate,
 }
@@ -41,14 +40,14 @@ pub struct TunerActor {
 impl TunerActor {
     pub fn new(
         settings: TunerSettings,
-        stats: Arc<RuntimeStats>,
-        live: Arc<DashMap<u64, ()>>,
+        recorders: Vec<ModelRecorder>,
+        live: LiveRequests,
         batchers: Vec<Addr<BatcherActor>>,
     ) -> Self {
         let models = batchers.len();
         Self {
             settings,
-            stats,
+            recorders,
             live,
             batchers,
             routing: RoutingEstimate::new(models, ROUTING_ALPHA),
@@ -57,21 +56,25 @@ impl TunerActor {
 
     /// The model as currently estimated, once every model has been observed.
     fn estimate(&mut self) -> Option<DtmcModel> {
-        let (routed, committed) = self.stats.routing_counts();
+        let (routed, committed): (Vec<_>, Vec<_>) = self
+            .recorders
+            .iter()
+            .map(ModelRecorder::routing_counts)
+            .unzip();
         self.routing.update(&routed, &committed);
         if !self.routing.ready() {
             return None;
         }
         let latency = self
-            .stats
-            .models
+            .recorders
             .iter()
             .zip(&self.settings.latency_prior)
             .map(|(m, prior)| {
-                let log = m.step_log();
-                let recent = &log[log.len().saturating_sub(LATENCY_SAMPLES)..];
-                let samples: Vec<(usize, f64)> =
-                    recent.iter().map(|s| s.latency_sample()).collect();
+                let samples: Vec<(usize, f64)> = m
+                    .recent_steps(LATENCY_SAMPLES)
+                    .iter()
+                    .map(|s| s.latency_sample())
+                    .collect();
                 fit_latency(&samples, *prior)
             })
             .collect::<Option<Vec<_>>>()?;
@@ -100,7 +103,7 @@ impl TunerActor {
                     batcher.do_send(SetThreshold(b));
                 }
             }
-            Err(e) => eprintln!("online tuning skipped a period: {e}"),
+            Err(e) => tracing::warn!("online tuning skipped a period: {e}"),
         }
     }
 }

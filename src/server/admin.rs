@@ -2,13 +2,11 @@
 //! registry, and per-model runtime statistics.
 
 use super::error::ApiError;
-use super::status::registry_json;
+use super::status::RegistryView;
 use super::{parse, read_json, AppState};
 use crate::config::PolicyUpdate;
-use crate::runtime::stats::ModelStats;
 use actix_web::{web, HttpRequest, HttpResponse};
-use serde_json::json;
-use std::sync::atomic::Ordering;
+use serde::Serialize;
 
 /// Compares in time independent of where the strings differ (the token is a secret).
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
@@ -39,7 +37,7 @@ pub async fn get_policy(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, &req)?;
     let registry = state.runtime.policies();
-    Ok(HttpResponse::Ok().json(registry_json(&registry, &state.runtime.model_names())))
+    Ok(HttpResponse::Ok().json(RegistryView::new(&registry, &state.runtime.model_names())))
 }
 
 /// Validates the whole new registry, then swaps it in; on error the old one stays.
@@ -52,38 +50,47 @@ pub async fn put_policy(
     let body = read_json(&req, payload, state.config.max_body_bytes).await?;
     let update: PolicyUpdate = parse(&body)?;
     let registry = state.runtime.update_policies(&update)?;
-    Ok(HttpResponse::Ok().json(registry_json(&registry, &state.runtime.model_names())))
+    Ok(HttpResponse::Ok().json(RegistryView::new(&registry, &state.runtime.model_names())))
+}
+
+/// One model's line in `/admin/stats`.
+#[derive(Debug, Serialize)]
+struct ModelStatsView<'a> {
+    model: &'a str,
+    steps: u64,
+    tokens_processed: u64,
+    mean_batch_size: f64,
+    kv_tokens_used: usize,
+    pending_requests: usize,
+    restarts: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct StatsView<'a> {
+    mode: &'static str,
+    live_requests: usize,
+    models: Vec<ModelStatsView<'a>>,
 }
 
 pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
     authorize(&state, &req)?;
-    let runtime = &state.runtime;
-    let models: Vec<_> = runtime
-        .model_names()
+    let snapshot = state.runtime.snapshot();
+    let models = snapshot
+        .models
         .iter()
-        .zip(&runtime.stats().models)
-        .map(|(name, m)| {
-            let steps = ModelStats::get(&m.steps);
-            let log = m.step_log();
-            let mean_batch = if log.is_empty() {
-                0.0
-            } else {
-                log.iter().map(|s| s.batch as f64).sum::<f64>() / log.len() as f64
-            };
-            json!({
-                "model": name,
-                "steps": steps,
-                "tokens_processed": ModelStats::get(&m.tokens_processed),
-                "mean_batch_size": mean_batch,
-                "kv_tokens_used": m.kv_tokens_used.load(Ordering::Relaxed),
-                "pending_requests": m.pending.load(Ordering::Relaxed),
-                "restarts": ModelStats::get(&m.restarts),
-            })
+        .map(|m| ModelStatsView {
+            model: &m.name,
+            steps: m.steps,
+            tokens_processed: m.tokens_processed,
+            mean_batch_size: m.mean_batch(),
+            kv_tokens_used: m.kv_tokens_used,
+            pending_requests: m.pending,
+            restarts: m.restarts,
         })
         .collect();
-    Ok(HttpResponse::Ok().json(json!({
-        "mode": runtime.mode().as_str(),
-        "live_requests": runtime.live_requests(),
-        "models": models,
-    })))
+    Ok(HttpResponse::Ok().json(StatsView {
+        mode: snapshot.mode.as_str(),
+        live_requests: snapshot.live_requests,
+        models,
+    }))
 }

@@ -1,11 +1,11 @@
 //! The server's errors and their one mapping to HTTP: status code and OpenAI's error shape
-//! `{"error": {"message", "type", "param", "code"}}` (DESIGN §8).
+//! `{"error": {"message", "type", "param", "code"}}`.
 
 use crate::error::{ConfigError, EngineError};
 use crate::runtime::RuntimeError;
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
-use serde_json::json;
+use serde::Serialize;
 
 /// What 429 and 503 answers tell clients to wait before retrying.
 const RETRY_AFTER_SECONDS: u64 = 1;
@@ -85,16 +85,31 @@ impl ApiError {
     }
 
     /// The error object alone, also sent as an SSE event when a stream fails midway.
-    pub fn body(&self) -> serde_json::Value {
-        json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.kind(),
-                "param": self.param(),
-                "code": self.code(),
-            }
-        })
+    pub fn body(&self) -> ErrorBody<'_> {
+        ErrorBody {
+            error: ErrorObject {
+                message: self.to_string(),
+                kind: self.kind(),
+                param: self.param(),
+                code: self.code(),
+            },
+        }
     }
+}
+
+/// OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Serialize)]
+pub struct ErrorBody<'a> {
+    error: ErrorObject<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct ErrorObject<'a> {
+    message: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    param: Option<&'a str>,
+    code: Option<&'static str>,
 }
 
 impl ResponseError for ApiError {
@@ -130,6 +145,10 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::UnknownPolicy(name) => ApiError::UnknownModel(name),
             RuntimeError::InvalidRequest(message) => ApiError::InvalidRequest {
                 message,
+                param: None,
+            },
+            RuntimeError::Invalid(e) => ApiError::InvalidRequest {
+                message: e.to_string(),
                 param: None,
             },
             RuntimeError::Config(e) => e.into(),

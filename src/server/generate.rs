@@ -5,17 +5,21 @@
 use super::admission::Slot;
 use super::error::ApiError;
 use super::openai::{
-    ChatCompletionRequest, CompletionRequest, Generation, GenerationOptions, Prompt,
+    refuse_unimplemented, ChatCompletionRequest, CompletionRequest, Generation, GenerationOptions,
+    Prompt,
 };
 use super::text::TextStream;
 use super::{read_json, AppState};
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::{
-    FinishReason, GenerateRequest, RequestEvent, RequestHandle, RoutingStats, RuntimeError,
+    FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestHandle, RoutingStats,
+    RuntimeError,
 };
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -33,7 +37,9 @@ async fn read_request<T: serde::de::DeserializeOwned>(
     payload: web::Payload,
 ) -> Result<(T, GenerationOptions), ApiError> {
     let body: Value = read_json(req, payload, state.config.max_body_bytes).await?;
-    Ok((super::parse(&body)?, super::parse(&body)?))
+    let parsed = (super::parse(&body)?, super::parse(&body)?);
+    refuse_unimplemented(&body)?;
+    Ok(parsed)
 }
 
 pub async fn completions(
@@ -107,9 +113,6 @@ async fn run(
     prompt_field: &'static str,
     generation: Generation,
 ) -> Result<HttpResponse, ApiError> {
-    if prompt.is_empty() {
-        return Err(ApiError::invalid(prompt_field, "the prompt is empty"));
-    }
     let limit = state.config.max_prompt_tokens;
     if prompt.len() > limit {
         return Err(ApiError::ContextLength {
@@ -120,18 +123,9 @@ async fn run(
     }
     let context = state.runtime.context_length();
     let room = context.saturating_sub(prompt.len());
-    let max_tokens = match generation.max_tokens {
-        Some((field, n)) if n > room => {
-            return Err(ApiError::invalid(
-                field,
-                format!(
-                    "the prompt ({} tokens) plus `{field}` ({n}) exceeds the context of {context} tokens",
-                    prompt.len()
-                ),
-            ))
-        }
-        Some((_, n)) => n,
-        None if room == 0 => {
+    let (max_tokens_field, max_tokens) = match generation.max_tokens {
+        Some((field, n)) => (field, n),
+        None if room == 0 && !prompt.is_empty() => {
             return Err(ApiError::ContextLength {
                 prompt: prompt.len(),
                 limit: context - 1,
@@ -140,22 +134,38 @@ async fn run(
         }
         // Unasked, as many as fit the context and every model's KV budget (at least one, so
         // a prompt that fills a budget gets the runtime's error naming it).
-        None => room
-            .min(state.config.max_tokens_limit)
-            .min(state.runtime.request_token_limit().saturating_sub(prompt.len()))
-            .max(1),
+        None => (
+            prompt_field,
+            room.min(state.config.max_tokens_limit)
+                .min(
+                    state
+                        .runtime
+                        .request_token_limit()
+                        .saturating_sub(prompt.len()),
+                )
+                .max(1),
+        ),
     };
-    let policy = model.filter(|m| m != "default");
+    let request = state
+        .runtime
+        .validate(GenerateRequest {
+            prompt,
+            policy: model.filter(|m| m != "default"),
+            max_tokens,
+            sampling: generation.sampling,
+            timeout: Some(generation.timeout),
+            ignore_eos: generation.ignore_eos,
+        })
+        .map_err(|e| match e {
+            RuntimeError::Invalid(InvalidRequest::EmptyPrompt) => {
+                ApiError::invalid(prompt_field, "the prompt is empty")
+            }
+            RuntimeError::Invalid(e) => ApiError::invalid(max_tokens_field, e.to_string()),
+            e => e.into(),
+        })?;
+    let prompt_tokens = request.prompt_tokens();
     let slot = state.admission.enter().await?;
-    let prompt_tokens = prompt.len();
-    let handle = state.runtime.submit(GenerateRequest {
-        prompt,
-        policy,
-        max_tokens,
-        sampling: generation.sampling,
-        timeout: Some(generation.timeout),
-        ignore_eos: generation.ignore_eos,
-    })?;
+    let handle = state.runtime.launch(request);
     let tokenizer = state.tokenizer()?.clone();
     let reply = Reply {
         flavor,
@@ -283,23 +293,88 @@ struct Reply {
     include_usage: bool,
 }
 
+/// OpenAI's `usage` object.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Usage {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    total_tokens: usize,
+}
+
+/// The extension every response carries: who wrote the tokens.
+#[derive(Debug, Serialize)]
+struct Routing<'a> {
+    policy: &'a str,
+    /// Committed tokens per model, by model name.
+    tokens_per_model: BTreeMap<&'a str, usize>,
+    handoffs: usize,
+}
+
+/// A chat message or a stream delta (the first delta carries the role).
+#[derive(Debug, Serialize)]
+struct Message<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    content: &'a str,
+}
+
+/// One choice, in the shape of its endpoint.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Choice<'a> {
+    Text {
+        index: usize,
+        text: &'a str,
+        /// Always null: log-probabilities are not returned.
+        logprobs: Option<()>,
+        finish_reason: Option<FinishReason>,
+    },
+    Message {
+        index: usize,
+        message: Message<'a>,
+        finish_reason: Option<FinishReason>,
+    },
+    Delta {
+        index: usize,
+        delta: Message<'a>,
+        finish_reason: Option<FinishReason>,
+    },
+}
+
+/// A whole response or one stream chunk.
+#[derive(Debug, Serialize)]
+struct Envelope<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<Choice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Usage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    routing: Option<Routing<'a>>,
+}
+
 impl Reply {
-    fn usage(&self, completion_tokens: usize) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-        })
+    fn usage(&self, completion_tokens: usize) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            total_tokens: self.prompt_tokens + completion_tokens,
+        }
     }
 
-    fn routing(&self, policy: &str, stats: &RoutingStats) -> Value {
-        let per_model: serde_json::Map<String, Value> = self
-            .model_names
-            .iter()
-            .zip(&stats.tokens_per_model)
-            .map(|(name, &n)| (name.clone(), json!(n)))
-            .collect();
-        json!({"policy": policy, "tokens_per_model": per_model, "handoffs": stats.handoffs})
+    fn routing<'a>(&'a self, policy: &'a str, stats: &RoutingStats) -> Routing<'a> {
+        Routing {
+            policy,
+            tokens_per_model: self
+                .model_names
+                .iter()
+                .map(String::as_str)
+                .zip(stats.tokens_per_model.iter().copied())
+                .collect(),
+            handoffs: stats.handoffs,
+        }
     }
 
     fn object(&self, stream: bool) -> &'static str {
@@ -311,25 +386,50 @@ impl Reply {
     }
 
     /// A choice carrying `text`: a message or delta for chat, plain text otherwise.
-    fn choice(&self, text: &str, finish: Option<FinishReason>, stream: bool) -> Value {
-        let mut choice = match (self.flavor, stream) {
-            (Flavor::Text, _) => json!({"text": text, "logprobs": null}),
-            (Flavor::Chat, false) => json!({"message": {"role": "assistant", "content": text}}),
-            (Flavor::Chat, true) => json!({"delta": {"content": text}}),
+    fn choice<'a>(&self, text: &'a str, finish: Option<FinishReason>, stream: bool) -> Choice<'a> {
+        let index = 0;
+        let message = Message {
+            role: None,
+            content: text,
         };
-        choice["index"] = json!(0);
-        choice["finish_reason"] = json!(finish);
-        choice
+        match (self.flavor, stream) {
+            (Flavor::Text, _) => Choice::Text {
+                index,
+                text,
+                logprobs: None,
+                finish_reason: finish,
+            },
+            (Flavor::Chat, false) => Choice::Message {
+                index,
+                message: Message {
+                    role: Some("assistant"),
+                    content: text,
+                },
+                finish_reason: finish,
+            },
+            (Flavor::Chat, true) => Choice::Delta {
+                index,
+                delta: message,
+                finish_reason: finish,
+            },
+        }
     }
 
-    fn envelope(&self, policy: &str, stream: bool, choices: Vec<Value>) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(stream),
-            "created": self.created,
-            "model": policy,
-            "choices": choices,
-        })
+    fn envelope<'a>(
+        &'a self,
+        policy: &'a str,
+        stream: bool,
+        choices: Vec<Choice<'a>>,
+    ) -> Envelope<'a> {
+        Envelope {
+            id: &self.id,
+            object: self.object(stream),
+            created: self.created,
+            model: policy,
+            choices,
+            usage: None,
+            routing: None,
+        }
     }
 }
 
@@ -342,9 +442,11 @@ async fn respond_whole(mut progress: Progress, reply: Reply) -> Result<HttpRespo
                 text.push_str(&rest);
                 let policy = progress.handle.policy.clone();
                 let choice = reply.choice(&text, Some(reason), false);
-                let mut body = reply.envelope(&policy, false, vec![choice]);
-                body["usage"] = reply.usage(progress.completion_tokens());
-                body["routing"] = reply.routing(&policy, &stats);
+                let body = Envelope {
+                    usage: Some(reply.usage(progress.completion_tokens())),
+                    routing: Some(reply.routing(&policy, &stats)),
+                    ..reply.envelope(&policy, false, vec![choice])
+                };
                 return Ok(HttpResponse::Ok().json(body));
             }
             Outcome::Failed(e) => return Err(e),
@@ -352,8 +454,9 @@ async fn respond_whole(mut progress: Progress, reply: Reply) -> Result<HttpRespo
     }
 }
 
-fn event(value: &Value) -> String {
-    format!("data: {value}\n\n")
+fn event(value: &impl Serialize) -> String {
+    let json = serde_json::to_string(value).expect("response structs serialize");
+    format!("data: {json}\n\n")
 }
 
 /// The SSE body: a role chunk (chat), one chunk per text delta, a final chunk with the
@@ -363,8 +466,14 @@ fn sse(
     reply: Reply,
 ) -> impl futures_util::Stream<Item = Result<Bytes, actix_web::Error>> {
     let first = (reply.flavor == Flavor::Chat).then(|| {
-        let mut choice = reply.choice("", None, true);
-        choice["delta"] = json!({"role": "assistant", "content": ""});
+        let choice = Choice::Delta {
+            index: 0,
+            delta: Message {
+                role: Some("assistant"),
+                content: "",
+            },
+            finish_reason: None,
+        };
         event(&reply.envelope(&progress.handle.policy, true, vec![choice]))
     });
     let state = (Some(progress), reply, first);
@@ -378,26 +487,30 @@ fn sse(
             let out = match progress.next().await {
                 Outcome::Delta(delta) if delta.is_empty() => continue,
                 Outcome::Delta(delta) => {
-                    let chunk =
-                        reply.envelope(&policy, true, vec![reply.choice(&delta, None, true)]);
-                    return Some((
-                        Ok(Bytes::from(event(&chunk))),
-                        (Some(progress), reply, None),
+                    let chunk = event(&reply.envelope(
+                        &policy,
+                        true,
+                        vec![reply.choice(&delta, None, true)],
                     ));
+                    return Some((Ok(Bytes::from(chunk)), (Some(progress), reply, None)));
                 }
                 Outcome::Done(rest, reason, stats) => {
                     let usage = reply.usage(progress.completion_tokens());
-                    let mut last = reply.envelope(
-                        &policy,
-                        true,
-                        vec![reply.choice(&rest, Some(reason), true)],
-                    );
-                    last["usage"] = usage.clone();
-                    last["routing"] = reply.routing(&policy, &stats);
+                    let last = Envelope {
+                        usage: Some(usage),
+                        routing: Some(reply.routing(&policy, &stats)),
+                        ..reply.envelope(
+                            &policy,
+                            true,
+                            vec![reply.choice(&rest, Some(reason), true)],
+                        )
+                    };
                     let mut out = event(&last);
                     if reply.include_usage {
-                        let mut usage_only = reply.envelope(&policy, true, Vec::new());
-                        usage_only["usage"] = usage;
+                        let usage_only = Envelope {
+                            usage: Some(usage),
+                            ..reply.envelope(&policy, true, Vec::new())
+                        };
                         out.push_str(&event(&usage_only));
                     }
                     out

@@ -1,4 +1,4 @@
-//! `tokenrouter serve`: the OpenAI-compatible HTTP front of the runtime (DESIGN §8), with
+//! `tokenrouter serve`: the OpenAI-compatible HTTP front of the runtime, with
 //! admin routes for hot-swapping policies and a Prometheus endpoint.
 
 mod admin;
@@ -177,7 +177,7 @@ pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         .disable_signals()
         .bind((limits.host.as_str(), limits.port))?;
     for addr in server.addrs() {
-        eprintln!("tokenrouter listening on http://{addr}");
+        tracing::info!("tokenrouter listening on http://{addr}");
     }
     let server = server.run();
     actix_web::rt::spawn(async move {
@@ -196,7 +196,7 @@ pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     ));
     server.await?;
     runtime.shutdown();
-    eprintln!("tokenrouter stopped");
+    tracing::info!("tokenrouter stopped");
     Ok(())
 }
 
@@ -210,7 +210,7 @@ async fn drain_on_signal(
         _ = terminate.recv() => {}
         _ = interrupt.recv() => {}
     }
-    eprintln!("shutting down: draining running requests");
+    tracing::info!("shutting down: draining running requests");
     admission.drain();
     server.stop(true).await;
 }
@@ -221,12 +221,12 @@ async fn reload_on_hangup(mut hangups: Signal, runtime: Arc<Runtime>, config_pat
             .map_err(crate::runtime::RuntimeError::from)
             .and_then(|reloaded| runtime.reload_policies(&reloaded));
         match result {
-            Ok(registry) => eprintln!(
+            Ok(registry) => tracing::info!(
                 "SIGHUP: policies reloaded from {} (default `{}`)",
                 config_path.display(),
                 registry.default_policy().name()
             ),
-            Err(e) => eprintln!("SIGHUP: reload refused, old policies kept: {e}"),
+            Err(e) => tracing::warn!("SIGHUP: reload refused, old policies kept: {e}"),
         }
     }
 }

@@ -1,11 +1,14 @@
 //! OpenAI request bodies, and their validation into what the runtime takes. Unknown fields
-//! are ignored (clients send many); known ones are checked and errors name the field.
+//! are ignored (clients send many); known ones are checked and errors name the field. A known
+//! field asking for behaviour this server does not implement is refused, never dropped
+//! (`docs/http-api.md` lists every field and its treatment).
 
 use super::error::ApiError;
 use crate::config::ServerConfig;
 use crate::engine::chat::ChatMessage;
 use crate::engine::SamplingParams;
 use serde::Deserialize;
+use serde_json::Value;
 
 /// OpenAI's defaults where a field is absent.
 const DEFAULT_COMPLETION_MAX_TOKENS: i64 = 16;
@@ -226,7 +229,13 @@ impl ChatCompletionRequest {
                     ));
                 }
                 let content = match &m.content {
-                    None => String::new(),
+                    None => {
+                        let field = format!("messages[{i}].content");
+                        return Err(ApiError::invalid(
+                            &field,
+                            format!("`{field}` is required: a string or a list of text parts"),
+                        ));
+                    }
                     Some(MessageContent::Text(text)) => text.clone(),
                     Some(MessageContent::Parts(parts)) => parts
                         .iter()
@@ -248,5 +257,179 @@ impl ChatCompletionRequest {
                 Ok(ChatMessage { role, content })
             })
             .collect()
+    }
+}
+
+/// Whether a field's value is its default (the behaviour this server implements).
+type IsDefault = fn(&Value) -> bool;
+
+/// OpenAI fields whose non-default values change what a client gets back, and which this
+/// server does not implement: each may be absent, `null` or its default, nothing else.
+const UNIMPLEMENTED: [(&str, IsDefault, &str); 17] = [
+    (
+        "tools",
+        empty_list,
+        "tool calling is not supported (only an empty list)",
+    ),
+    (
+        "functions",
+        empty_list,
+        "function calling is not supported (only an empty list)",
+    ),
+    (
+        "tool_choice",
+        none_or_auto,
+        "tool calling is not supported (only \"none\" or \"auto\")",
+    ),
+    (
+        "function_call",
+        none_or_auto,
+        "function calling is not supported (only \"none\" or \"auto\")",
+    ),
+    (
+        "response_format",
+        text_format,
+        "only {\"type\": \"text\"} is supported: no JSON mode or schemas",
+    ),
+    (
+        "logprobs",
+        falsy,
+        "log-probabilities are not returned yet (only false or null)",
+    ),
+    (
+        "top_logprobs",
+        zero,
+        "log-probabilities are not returned yet (only 0 or null)",
+    ),
+    (
+        "echo",
+        falsy,
+        "echoing the prompt is not supported (only false)",
+    ),
+    ("best_of", one, "only `best_of` = 1 is supported"),
+    (
+        "suffix",
+        empty_text,
+        "suffixes (insertion) are not supported (only an empty string)",
+    ),
+    (
+        "logit_bias",
+        empty_object,
+        "logit bias is not supported (only an empty object)",
+    ),
+    (
+        "presence_penalty",
+        zero,
+        "presence penalties are not supported (only 0)",
+    ),
+    (
+        "frequency_penalty",
+        zero,
+        "frequency penalties are not supported (only 0)",
+    ),
+    (
+        "repetition_penalty",
+        one,
+        "repetition penalties are not supported (only 1)",
+    ),
+    (
+        "modalities",
+        text_only,
+        "only the text modality is supported",
+    ),
+    ("audio", Value::is_null, "audio output is not supported"),
+    (
+        "prediction",
+        Value::is_null,
+        "predicted outputs are not supported",
+    ),
+];
+
+fn empty_list(v: &Value) -> bool {
+    v.as_array().is_some_and(Vec::is_empty)
+}
+
+fn none_or_auto(v: &Value) -> bool {
+    matches!(v.as_str(), Some("none" | "auto"))
+}
+
+fn text_format(v: &Value) -> bool {
+    v.get("type").and_then(Value::as_str) == Some("text")
+}
+
+fn falsy(v: &Value) -> bool {
+    v == &Value::Bool(false)
+}
+
+fn zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+fn one(v: &Value) -> bool {
+    v.as_f64() == Some(1.0)
+}
+
+fn empty_text(v: &Value) -> bool {
+    v.as_str() == Some("")
+}
+
+fn empty_object(v: &Value) -> bool {
+    v.as_object().is_some_and(|o| o.is_empty())
+}
+
+fn text_only(v: &Value) -> bool {
+    v.as_array()
+        .is_some_and(|m| m.len() == 1 && m[0].as_str() == Some("text"))
+}
+
+/// Refuses a body that asks for behaviour the server does not implement, naming the field.
+pub fn refuse_unimplemented(body: &Value) -> Result<(), ApiError> {
+    for (field, is_default, why) in UNIMPLEMENTED {
+        match body.get(field) {
+            Some(value) if !value.is_null() && !is_default(value) => {
+                return Err(ApiError::invalid(field, format!("`{field}`: {why}")));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn unimplemented_fields_are_refused_unless_default() {
+        for body in [
+            json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
+            json!({"logprobs": false, "top_logprobs": 0, "echo": false, "best_of": 1}),
+            json!({"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}),
+            json!({"modalities": ["text"], "audio": null, "logprobs": null, "suffix": ""}),
+        ] {
+            assert!(refuse_unimplemented(&body).is_ok(), "{body}");
+        }
+        for (body, field) in [
+            (json!({"tools": [{"type": "function"}]}), "tools"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (json!({"logprobs": true}), "logprobs"),
+            (json!({"logprobs": 2}), "logprobs"),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"presence_penalty": 0.5}), "presence_penalty"),
+            (json!({"logit_bias": {"42": 100}}), "logit_bias"),
+            (json!({"modalities": ["text", "audio"]}), "modalities"),
+        ] {
+            match refuse_unimplemented(&body) {
+                Err(ApiError::InvalidRequest { param, message }) => {
+                    assert_eq!(param.as_deref(), Some(field), "{body}");
+                    assert!(message.contains(field), "{message}");
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! The Markov model of routing (DESIGN §7): a DTMC over per-model (waiting, running batch,
+//! The Markov model of routing (`docs/tuning.md`): a DTMC over per-model (waiting, running batch,
 //! residual time, timeout clock) states, solved for its stationary distribution to predict
 //! throughput and admission delay for delayed-batching thresholds, and the threshold search.
 

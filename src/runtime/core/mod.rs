@@ -1,0 +1,15 @@
+//! The scheduling core: every decision a model's actors take, as plain data and functions.
+//! Nothing here knows actix, a clock or a real model: the batcher and model actors feed it
+//! events (arrivals, an idle model, step outputs, cancellations) with the current time and
+//! carry out the effects it returns. Unit tests drive it with a fake KV store and a manual
+//! clock.
+
+mod gate;
+mod request;
+mod scheduler;
+
+pub use gate::ReleaseReason;
+pub(crate) use gate::{BatchGate, GateDecision};
+pub use request::{FailureKind, FinishReason, RequestId, RoutingStats};
+pub(crate) use request::{InFlight, RequestParams};
+pub(crate) use scheduler::{Effect, ModelScheduler, SchedulerCounters};
