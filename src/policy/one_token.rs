@@ -140,45 +140,36 @@ mod tests {
     use crate::policy::testing::{state, stats, view};
 
     #[test]
-    fn citer_hands_one_token_to_the_llm_below_tau() {
-        let p = OneTokenHandoff::citer("citer", [0, 1], None, None);
-        let at = stats(1.0, CITER_DEFAULT_THRESHOLD);
-        let below = stats(1.0, CITER_DEFAULT_THRESHOLD - 1e-4);
-        assert_eq!(
-            p.route(&state(), &view(0, &at, &[])),
-            Route::Stay,
-            "confidence == τ keeps the SLM token"
-        );
-        assert_eq!(
-            p.route(&state(), &view(0, &below, &[])),
-            Route::RejectAndSwitch(1)
-        );
-        assert_eq!(
-            p.route(&state(), &view(1, &below, &[])),
-            Route::CommitThenSwitch(0),
-            "exactly one LLM token"
-        );
-    }
-
-    #[test]
-    fn colm_defers_one_token_to_the_assistant_above_eta() {
-        let p = OneTokenHandoff::colm("colm", [0, 1], Some(0.25), None);
-        let at = stats(1.0, 0.75);
-        let above = stats(1.0, 0.75 - 1e-3);
-        assert_eq!(
-            p.route(&state(), &view(0, &at, &[])),
-            Route::Stay,
-            "deferral == η does not defer"
-        );
-        assert_eq!(
-            p.route(&state(), &view(0, &above, &[])),
-            Route::RejectAndSwitch(1)
-        );
-        assert_eq!(
-            p.route(&state(), &view(1, &above, &[])),
-            Route::CommitThenSwitch(0),
-            "exactly one token"
-        );
+    fn each_flavor_hands_exactly_one_token_over_past_its_threshold() {
+        let flavors = [
+            // CITER: confidence == τ keeps the SLM token; just below hands over.
+            (
+                OneTokenHandoff::citer("citer", [0, 1], None, None),
+                CITER_DEFAULT_THRESHOLD,
+                CITER_DEFAULT_THRESHOLD - 1e-4,
+            ),
+            // Co-LLM: deferral 1 − p == η does not defer; just above does.
+            (
+                OneTokenHandoff::colm("colm", [0, 1], Some(0.25), None),
+                0.75,
+                0.75 - 1e-3,
+            ),
+        ];
+        for (p, kept, handed_over) in flavors {
+            let (at, past) = (stats(1.0, kept), stats(1.0, handed_over));
+            let name = p.name().to_string();
+            assert_eq!(p.route(&state(), &view(0, &at, &[])), Route::Stay, "{name}");
+            assert_eq!(
+                p.route(&state(), &view(0, &past, &[])),
+                Route::RejectAndSwitch(1),
+                "{name}"
+            );
+            assert_eq!(
+                p.route(&state(), &view(1, &past, &[])),
+                Route::CommitThenSwitch(0),
+                "{name}: exactly one token from the large model"
+            );
+        }
     }
 
     #[test]
