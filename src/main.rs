@@ -1,15 +1,17 @@
-//! Command line: serve | generate | bench | tune | models (`docs/cli.md`).
+//! Command line: serve | generate | bench | tune | models (`docs/cli.md`). The benchmarks,
+//! their plots and load client, and model fetching live in this binary, not in the library.
+
+mod bench;
+mod fetch;
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
-use tokenrouter::bench;
 use tokenrouter::config::{Config, ExecutionMode, ModelConfig, DEFAULT_CONFIG_PATH};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{load_executor, weights, SamplingParams};
-use tokenrouter::fetch;
 use tokenrouter::runtime::{GenerateRequest, Runtime};
 
 #[derive(Parser)]

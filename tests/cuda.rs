@@ -4,6 +4,13 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+/// The binary's parity check and its prompts (benchmarks live outside the library).
+#[allow(dead_code)]
+#[path = "../src/bench/parity.rs"]
+mod parity;
+#[allow(dead_code)]
+#[path = "../src/bench/prompts.rs"]
+mod prompts;
 
 use candle_core::quantized::GgmlDType;
 use common::{Arch, TinySpec};
@@ -237,8 +244,7 @@ fn real_model_greedy_tokens_match_the_cpu_for_64_tokens() {
         ..common::model_config("smollm2", &path)
     };
     let mut cpu = Executor::load(&config).unwrap();
-    let report =
-        tokenrouter::bench::parity::run(&mut cpu, &mut on_gpu(&config), &tokenizer, 64).unwrap();
+    let report = parity::run(&mut cpu, &mut on_gpu(&config), &tokenizer, 64).unwrap();
     println!("{}", report.markdown());
     assert_eq!(report.prompts.len(), 3);
     assert!(report.all_match);

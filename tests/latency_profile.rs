@@ -4,11 +4,16 @@
 //! measured throughput follows the prediction (a short version of
 //! `tokenrouter tune --validate-runtime`, which runs the whole grid).
 
+/// The binary's validation harness (benchmarks live outside the library).
+#[allow(dead_code)]
+#[path = "../src/bench/validate.rs"]
+mod validate;
+
 use std::time::Duration;
-use tokenrouter::bench::validate::{best_per_n, endless, measure, paper_config, ValidationRow};
 use tokenrouter::config::ExecutionMode;
 use tokenrouter::runtime::Runtime;
 use tokenrouter::tuning::{paper, predict};
+use validate::{best_per_n, endless, measure, paper_config, ValidationRow};
 
 /// The tests here measure sleeps: one at a time, so they do not slow each other down.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

@@ -2,11 +2,15 @@
 //! skipped with a message when absent, a failure under TOKENROUTER_REQUIRE_MODEL=1).
 
 mod common;
+/// The binary's fixed benchmark prompts (benchmarks live outside the library).
+#[allow(dead_code)]
+#[path = "../src/bench/prompts.rs"]
+mod prompts;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama;
-use tokenrouter::bench::prompts::PROMPTS;
+use prompts::PROMPTS;
 use tokenrouter::engine::ops::argmax;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};

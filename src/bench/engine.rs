@@ -2,12 +2,12 @@
 //! Each batch row mixes sequences of different context lengths (a ragged batch).
 
 use super::median;
-use crate::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
-use crate::error::EngineResult;
-use crate::tuning::online::fit_latency;
 use serde::Serialize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+use tokenrouter::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::error::EngineResult;
+use tokenrouter::tuning::online::fit_latency;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EngineBenchRow {

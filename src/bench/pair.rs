@@ -5,11 +5,11 @@
 
 use super::median;
 use super::prompts::{first_sentence, PROMPTS};
-use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
-use crate::error::EngineResult;
 use serde::Serialize;
 use std::time::Instant;
+use tokenrouter::engine::tokenizer::ModelTokenizer;
+use tokenrouter::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::error::EngineResult;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PairReport {

@@ -3,10 +3,10 @@
 //! computes the same model, not merely a plausible one.
 
 use super::prompts::{first_sentence, PROMPTS};
-use crate::engine::tokenizer::ModelTokenizer;
-use crate::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
-use crate::error::EngineResult;
 use serde::Serialize;
+use tokenrouter::engine::tokenizer::ModelTokenizer;
+use tokenrouter::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::error::EngineResult;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ParityReport {

@@ -6,15 +6,15 @@
 
 use super::median;
 use super::workloads::{self, Workload};
-use crate::config::{Config, ExecutionMode, PolicyConfig};
-use crate::engine::SamplingParams;
-use crate::runtime::{GenerateRequest, ModelSnapshot, Runtime, RuntimeError};
-use crate::tuning::online::fit_latency;
-use crate::tuning::{predict, DtmcModel};
 use serde::Serialize;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
+use tokenrouter::config::{Config, ExecutionMode, PolicyConfig};
+use tokenrouter::engine::SamplingParams;
+use tokenrouter::runtime::{GenerateRequest, ModelSnapshot, Runtime, RuntimeError};
+use tokenrouter::tuning::online::fit_latency;
+use tokenrouter::tuning::{predict, DtmcModel};
 
 /// Time grid of the per-cell predictions (as the online tuner).
 const PREDICTION_DELTA_MS: f64 = 0.5;

@@ -3,14 +3,14 @@
 //! p = 0.35): measured throughput per (N, B_1) next to the prediction
 //! (`tokenrouter tune --validate-runtime`).
 
-use crate::config::{Config, ExecutionMode};
-use crate::engine::SamplingParams;
-use crate::runtime::{GenerateRequest, RequestEvent, RequestHandle, Runtime, RuntimeError};
-use crate::tuning::{paper, predict};
 use serde::Serialize;
 use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Duration;
+use tokenrouter::config::{Config, ExecutionMode};
+use tokenrouter::engine::SamplingParams;
+use tokenrouter::runtime::{GenerateRequest, RequestEvent, RequestHandle, Runtime, RuntimeError};
+use tokenrouter::tuning::{paper, predict};
 
 /// Steps before the window opens (the first batches are still forming).
 const WARM_UP: Duration = Duration::from_millis(400);

@@ -4,8 +4,8 @@
 //! latency-profile simulation) prompts are synthetic token ids of the same shape.
 
 use super::prompts::PROMPTS;
-use crate::engine::chat::{ChatMessage, ChatTemplate};
-use crate::runtime::{Runtime, RuntimeError};
+use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
+use tokenrouter::runtime::{Runtime, RuntimeError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -5,12 +5,12 @@ pub mod chat;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod kv;
-pub mod llama;
+pub(crate) mod llama;
 pub mod ops;
-pub mod parallel;
-pub mod qmatmul;
+pub(crate) mod parallel;
+pub(crate) mod qmatmul;
 pub mod sampling;
-pub mod simulated;
+pub(crate) mod simulated;
 pub mod tokenizer;
 pub mod weights;
 

@@ -1,13 +1,13 @@
 //! Routing policies: pure, synchronous functions of one request's routing state and the step
 //! it just took. The runtime calls them per model, per step, over the batch.
 
-pub mod ensemble;
+pub(crate) mod ensemble;
 pub mod learned;
-pub mod one_token;
+pub(crate) mod one_token;
 pub mod r2r;
 pub mod registry;
-pub mod rstitch;
-pub mod single;
+pub(crate) mod rstitch;
+pub(crate) mod single;
 
 pub use crate::config::PolicyKind;
 use crate::engine::{LogitStats, Needs};

@@ -3,11 +3,11 @@
 
 mod admin;
 mod admission;
-pub mod error;
+mod error;
 mod generate;
-pub mod openai;
+mod openai;
 mod status;
-pub mod text;
+mod text;
 
 use crate::config::{Config, ServerConfig};
 use crate::engine::chat::ChatTemplate;
