@@ -276,15 +276,16 @@ enum ModelsCommand {
     },
 }
 
-/// Logs go to stderr, at `info` unless `RUST_LOG` says otherwise; with `debug`, each
-/// request's and each step's span is logged when it closes.
+/// Logs go to stderr, at `info` (actix-web's per-worker lines at `warn`) unless `RUST_LOG`
+/// says otherwise; with `debug`, each request's and each step's span is logged when it closes.
 fn init_logging() {
     use std::io::IsTerminal;
     use tracing_subscriber::fmt::format::FmtSpan;
     use tracing_subscriber::EnvFilter;
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new("info,actix_server=warn")),
         )
         .with_span_events(FmtSpan::CLOSE)
         .with_ansi(std::io::stderr().is_terminal())
