@@ -34,6 +34,26 @@ pub struct OneTokenHandoff {
 }
 
 impl OneTokenHandoff {
+    fn new(
+        name: &str,
+        flavor: Flavor,
+        models: [ModelIdx; 2],
+        threshold: Option<f32>,
+        router: Option<Box<dyn HiddenScorer>>,
+    ) -> Self {
+        let default = match flavor {
+            Flavor::Citer => CITER_DEFAULT_THRESHOLD,
+            Flavor::CoLlm => COLM_DEFAULT_THRESHOLD,
+        };
+        Self {
+            name: name.into(),
+            flavor,
+            models,
+            threshold: threshold.unwrap_or(default),
+            router,
+        }
+    }
+
     /// CITER over `[slm, llm]`; `router`: its learned confidence MLP.
     pub fn citer(
         name: &str,
@@ -41,13 +61,7 @@ impl OneTokenHandoff {
         threshold: Option<f32>,
         router: Option<Box<dyn HiddenScorer>>,
     ) -> Self {
-        Self {
-            name: name.into(),
-            flavor: Flavor::Citer,
-            models,
-            threshold: threshold.unwrap_or(CITER_DEFAULT_THRESHOLD),
-            router,
-        }
+        Self::new(name, Flavor::Citer, models, threshold, router)
     }
 
     /// Co-LLM over `[base, assistant]`; `head`: its learned deferral head.
@@ -57,13 +71,7 @@ impl OneTokenHandoff {
         threshold: Option<f32>,
         head: Option<Box<dyn HiddenScorer>>,
     ) -> Self {
-        Self {
-            name: name.into(),
-            flavor: Flavor::CoLlm,
-            models,
-            threshold: threshold.unwrap_or(COLM_DEFAULT_THRESHOLD),
-            router: head,
-        }
+        Self::new(name, Flavor::CoLlm, models, threshold, head)
     }
 
     fn training_free_score(&self, stats: &LogitStats) -> f32 {
