@@ -127,6 +127,11 @@ impl ModelRecorder {
         f(&mut self.record.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// One figure, read in place (a snapshot also copies the step log).
+    pub fn read<R>(&self, figure: impl FnOnce(&ModelSnapshot) -> R) -> R {
+        self.with(|r| figure(&r.figures))
+    }
+
     pub fn snapshot(&self) -> ModelSnapshot {
         self.with(|r| ModelSnapshot {
             recent_steps: r.steps.iter().copied().collect(),
@@ -143,11 +148,6 @@ impl ModelRecorder {
                 .copied()
                 .collect()
         })
-    }
-
-    /// Cumulative `(routed_to, committed_to)`.
-    pub fn routing_counts(&self) -> (Vec<u64>, Vec<u64>) {
-        self.with(|r| (r.figures.routed_to.clone(), r.figures.committed_to.clone()))
     }
 
     pub fn step(&self, interval: StepInterval, tokens: usize) {

@@ -436,7 +436,10 @@ impl Runtime {
 
     /// Each model's delayed-batching threshold in force.
     pub fn thresholds(&self) -> Vec<usize> {
-        self.snapshot().models.iter().map(|m| m.threshold).collect()
+        self.recorders
+            .iter()
+            .map(|r| r.read(|m| m.threshold))
+            .collect()
     }
 
     /// Requests that have not ended yet.
@@ -446,10 +449,9 @@ impl Runtime {
 
     /// KV tokens held per model, as last reported by the model actors.
     pub fn kv_tokens_used(&self) -> Vec<usize> {
-        self.snapshot()
-            .models
+        self.recorders
             .iter()
-            .map(|m| m.kv_tokens_used)
+            .map(|r| r.read(|m| m.kv_tokens_used))
             .collect()
     }
 

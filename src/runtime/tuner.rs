@@ -59,7 +59,7 @@ impl TunerActor {
         let (routed, committed): (Vec<_>, Vec<_>) = self
             .recorders
             .iter()
-            .map(ModelRecorder::routing_counts)
+            .map(|r| r.read(|m| (m.routed_to.clone(), m.committed_to.clone())))
             .unzip();
         self.routing.update(&routed, &committed);
         if !self.routing.ready() {
