@@ -168,6 +168,15 @@ pub struct RuntimeConfig {
     /// Largest live-request count the online model is solved for.
     #[serde(default = "default_retune_max_requests")]
     pub retune_max_requests: usize,
+    /// Each model keeps the KV of ended requests and of prefixes requests share, indexed by
+    /// tokens, and a new sequence starts on its longest cached prefix (evicted LRU when the
+    /// KV budget needs the room). Off, every request computes its whole prompt.
+    #[serde(default = "default_true")]
+    pub prefix_cache: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for RuntimeConfig {
@@ -178,6 +187,7 @@ impl Default for RuntimeConfig {
             batch_timeout_ms: default_batch_timeout_ms(),
             retune_interval_ms: default_retune_interval_ms(),
             retune_max_requests: default_retune_max_requests(),
+            prefix_cache: true,
         }
     }
 }
@@ -335,18 +345,67 @@ pub struct ModelConfig {
     /// `[tuning] latency_ms` does not give one.
     #[serde(default)]
     pub step_profile: Option<PathBuf>,
+    /// Most tokens one step appends (a number, or `"unlimited"`): longer prompts and
+    /// catch-ups run in chunks so that the decode rows batched with them keep going. When
+    /// absent: from the step profile (see `StepProfile::token_budget`), else unlimited.
+    #[serde(default)]
+    pub step_token_budget: Option<TokenBudget>,
+}
+
+/// A per-step token budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "toml::Value")]
+pub enum TokenBudget {
+    Tokens(usize),
+    Unlimited,
+}
+
+impl TryFrom<toml::Value> for TokenBudget {
+    type Error = String;
+
+    fn try_from(value: toml::Value) -> Result<Self, Self::Error> {
+        match value {
+            toml::Value::Integer(n) if n >= 1 => Ok(Self::Tokens(n as usize)),
+            toml::Value::String(s) if s == "unlimited" => Ok(Self::Unlimited),
+            other => Err(format!(
+                "step_token_budget must be a token count >= 1 or \"unlimited\", not {other}"
+            )),
+        }
+    }
 }
 
 /// The part of a `bench engine --json` report a step profile needs.
 #[derive(Deserialize)]
 struct StepProfile {
     fit: StepProfileFit,
+    #[serde(default)]
+    prefill: Option<StepProfilePrefill>,
 }
 
 #[derive(Deserialize)]
 struct StepProfileFit {
     a_ms: f64,
     c_ms: f64,
+}
+
+#[derive(Deserialize)]
+struct StepProfilePrefill {
+    tokens_per_s: f64,
+}
+
+/// Decode rows a default token budget leaves room for.
+const BUDGET_DECODE_ROWS: f64 = 8.0;
+
+impl StepProfile {
+    /// The default token budget: room for 8 decode rows plus a prompt chunk that costs
+    /// about 1.5 of their steps at the measured prefill rate, so a step carrying a chunk
+    /// takes about 2.5× an ordinary one. `None` without a prefill measurement.
+    fn token_budget(&self) -> Option<usize> {
+        let prefill = self.prefill.as_ref()?.tokens_per_s;
+        let decode_step_ms = self.fit.a_ms + BUDGET_DECODE_ROWS * self.fit.c_ms;
+        let chunk = prefill * 1.5 * decode_step_ms / 1000.0;
+        (chunk.is_finite() && chunk > 0.0).then(|| (BUDGET_DECODE_ROWS + chunk).ceil() as usize)
+    }
 }
 
 fn default_batch_threshold() -> usize {
@@ -444,7 +503,7 @@ impl Config {
             .enumerate()
             .map(|(i, model)| match configured.and_then(|c| c.get(i)) {
                 Some(&latency) => Ok(Some(latency)),
-                None => model.read_step_profile(),
+                None => Ok(model.read_step_profile()?.map(|p| [p.fit.a_ms, p.fit.c_ms])),
             })
             .collect()
     }
@@ -600,7 +659,16 @@ impl Config {
 }
 
 impl ModelConfig {
-    fn read_step_profile(&self) -> Result<Option<[f64; 2]>, ConfigError> {
+    /// The most tokens one step of this model appends (`None`: unlimited).
+    pub fn step_tokens(&self) -> Result<Option<usize>, ConfigError> {
+        Ok(match self.step_token_budget {
+            Some(TokenBudget::Tokens(n)) => Some(n),
+            Some(TokenBudget::Unlimited) => None,
+            None => self.read_step_profile()?.and_then(|p| p.token_budget()),
+        })
+    }
+
+    fn read_step_profile(&self) -> Result<Option<StepProfile>, ConfigError> {
         let Some(path) = &self.step_profile else {
             return Ok(None);
         };
@@ -623,7 +691,7 @@ impl ModelConfig {
                 "fit a = {a_ms}, c = {c_ms} must be finite and >= 0"
             )));
         }
-        Ok(Some([a_ms, c_ms]))
+        Ok(Some(profile))
     }
 
     fn validate(&self) -> Result<(), ConfigError> {

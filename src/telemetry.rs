@@ -2,6 +2,7 @@
 //! place. Recording goes through the `metrics` facade, so the CLI and the bench,
 //! which install no recorder, pay nothing.
 
+use crate::engine::{KvUsage, PrefixCounters};
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics::{Counter, Gauge, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -16,6 +17,11 @@ pub const ADMISSION_DELAY_SECONDS: &str = "tokenrouter_admission_delay_seconds";
 pub const PENDING_REQUESTS: &str = "tokenrouter_pending_requests";
 pub const WAITING_REQUESTS: &str = "tokenrouter_waiting_requests";
 pub const KV_TOKENS_USED: &str = "tokenrouter_kv_tokens_used";
+pub const KV_TOKENS_CACHED: &str = "tokenrouter_kv_tokens_cached";
+pub const PREFIX_CACHE_HITS_TOTAL: &str = "tokenrouter_prefix_cache_hits_total";
+pub const PREFIX_CACHE_HIT_TOKENS_TOTAL: &str = "tokenrouter_prefix_cache_hit_tokens_total";
+pub const PREFIX_CACHE_LOOKUPS_TOTAL: &str = "tokenrouter_prefix_cache_lookups_total";
+pub const PREFIX_CACHE_EVICTIONS_TOTAL: &str = "tokenrouter_prefix_cache_evictions_total";
 pub const THRESHOLD: &str = "tokenrouter_threshold";
 pub const REQUESTS_TOTAL: &str = "tokenrouter_requests_total";
 pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "tokenrouter_time_to_first_token_seconds";
@@ -92,7 +98,30 @@ fn describe() {
         "Requests that left this model and keep their KV here"
     );
     describe_gauge!(WAITING_REQUESTS, "Arrivals held by this model's batcher");
-    describe_gauge!(KV_TOKENS_USED, "KV cache tokens held by this model");
+    describe_gauge!(
+        KV_TOKENS_USED,
+        "KV cache tokens in blocks that requests of this model reference"
+    );
+    describe_gauge!(
+        KV_TOKENS_CACHED,
+        "KV cache tokens only the prefix cache holds (evictable)"
+    );
+    describe_counter!(
+        PREFIX_CACHE_LOOKUPS_TOTAL,
+        "New KV sequences looked up in the prefix cache"
+    );
+    describe_counter!(
+        PREFIX_CACHE_HITS_TOTAL,
+        "Prefix-cache lookups that matched at least one token"
+    );
+    describe_counter!(
+        PREFIX_CACHE_HIT_TOKENS_TOTAL,
+        "Positions taken from the prefix cache instead of computed"
+    );
+    describe_counter!(
+        PREFIX_CACHE_EVICTIONS_TOTAL,
+        "Cached KV blocks evicted to make room"
+    );
     describe_gauge!(THRESHOLD, "This model's delayed-batching threshold B");
     describe_counter!(
         REQUESTS_TOTAL,
@@ -126,6 +155,11 @@ pub struct ModelMetrics {
     step_seconds: Histogram,
     batch_size: Histogram,
     kv_tokens_used: Gauge,
+    kv_tokens_cached: Gauge,
+    prefix_lookups: Counter,
+    prefix_hits: Counter,
+    prefix_hit_tokens: Counter,
+    prefix_evictions: Counter,
     pending: Gauge,
     restarts: Counter,
 }
@@ -140,6 +174,11 @@ impl ModelMetrics {
             step_seconds: histogram!(STEP_SECONDS, &label()),
             batch_size: histogram!(BATCH_SIZE, &label()),
             kv_tokens_used: gauge!(KV_TOKENS_USED, &label()),
+            kv_tokens_cached: gauge!(KV_TOKENS_CACHED, &label()),
+            prefix_lookups: counter!(PREFIX_CACHE_LOOKUPS_TOTAL, &label()),
+            prefix_hits: counter!(PREFIX_CACHE_HITS_TOTAL, &label()),
+            prefix_hit_tokens: counter!(PREFIX_CACHE_HIT_TOKENS_TOTAL, &label()),
+            prefix_evictions: counter!(PREFIX_CACHE_EVICTIONS_TOTAL, &label()),
             pending: gauge!(PENDING_REQUESTS, &label()),
             restarts,
         }
@@ -150,8 +189,13 @@ impl ModelMetrics {
         self.batch_size.record(batch as f64);
     }
 
-    pub fn usage(&self, kv_tokens: usize, pending: usize) {
-        self.kv_tokens_used.set(kv_tokens as f64);
+    pub fn usage(&self, kv: &KvUsage, prefix: &PrefixCounters, pending: usize) {
+        self.kv_tokens_used.set(kv.used_tokens as f64);
+        self.kv_tokens_cached.set(kv.cached_tokens as f64);
+        self.prefix_lookups.absolute(prefix.lookups);
+        self.prefix_hits.absolute(prefix.hits);
+        self.prefix_hit_tokens.absolute(prefix.hit_tokens);
+        self.prefix_evictions.absolute(prefix.evictions);
         self.pending.set(pending as f64);
     }
 

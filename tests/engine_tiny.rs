@@ -246,6 +246,49 @@ fn kv_usage_returns_to_zero_and_exhaustion_is_a_typed_error() {
 }
 
 #[test]
+fn a_sequence_on_a_cached_prefix_computes_exactly_what_a_full_prefill_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::Q8_0,
+    );
+    let mut executor = load(&path);
+    let long = prompt(45, 7);
+    let full = executor.step(&[work(1, long.clone())]).unwrap().remove(0);
+    executor.free(SeqId(1));
+    // Two full blocks shared, 8 positions of the third copied, 5 computed.
+    assert_eq!(executor.attach_prefix(SeqId(2), &long[..40]), 40);
+    let cached = executor
+        .step(&[work(2, long[40..].to_vec())])
+        .unwrap()
+        .remove(0);
+    assert_eq!(cached.logits, full.logits);
+    // A rollback into a shared full block (a rejected token) and a different token after it.
+    assert_eq!(executor.attach_prefix(SeqId(3), &long[..40]), 40);
+    assert_eq!(executor.truncate(SeqId(3), 30), 30);
+    let mut other = long[..30].to_vec();
+    other.extend([11, 12]);
+    let rewritten = executor
+        .step(&[work(3, other[30..].to_vec())])
+        .unwrap()
+        .remove(0);
+    let fresh = executor.step(&[work(4, other.clone())]).unwrap().remove(0);
+    assert_eq!(rewritten.logits, fresh.logits);
+    // Sequence 2 still sees its own positions 30.. (the shared block was not written).
+    let again = executor.step(&[work(2, vec![5])]).unwrap().remove(0);
+    let mut extended = long.clone();
+    extended.push(5);
+    let reference = executor.step(&[work(5, extended)]).unwrap().remove(0);
+    assert_eq!(again.logits, reference.logits);
+    for seq in 2..=5 {
+        executor.free(SeqId(seq));
+    }
+    assert_eq!(executor.kv_usage().used_tokens, 0);
+    assert!(executor.kv_usage().cached_tokens > 0);
+}
+
+#[test]
 fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
     let dir = tempfile::tempdir().unwrap();
     let path = common::write_gguf(

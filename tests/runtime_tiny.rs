@@ -7,7 +7,7 @@ use candle_core::quantized::GgmlDType;
 use common::{Arch, TinySpec};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tokenrouter::config::{Config, ExecutionMode};
+use tokenrouter::config::{Config, ExecutionMode, TokenBudget};
 use tokenrouter::engine::SamplingParams;
 use tokenrouter::runtime::{Completion, GenerateRequest, RequestEvent, Runtime, RuntimeError};
 use tokenrouter::runtime::{ModelSnapshot, StepInterval};
@@ -165,7 +165,7 @@ fn counter(stats: &ModelSnapshot) -> (u64, u64, u64) {
     (
         stats.tokens_processed,
         stats.kv_allocations,
-        stats.prefix_lookups,
+        stats.prefix_cache.lookups,
     )
 }
 
@@ -209,13 +209,114 @@ async fn returning_requests_append_only_unseen_tokens_unless_standard() {
                 }
                 _ => {
                     assert_eq!(
-                        allocations, 1,
-                        "{mode:?} model {m}: one allocation per request"
+                        (allocations, lookups),
+                        (1, 1),
+                        "{mode:?} model {m}: one allocation and lookup per request"
                     );
-                    assert_eq!(lookups, 0);
                 }
             }
         }
+        wait_for_zero_kv(&rt).await;
+        rt.shutdown();
+    }
+}
+
+/// A 200-token system prompt before each of `prompts(n)`.
+fn with_system_prompt(n: usize) -> Vec<Vec<u32>> {
+    let system: Vec<u32> = (0..200).map(|j| 3 + (j * 7 + j / 9) % 250).collect();
+    prompts(n)
+        .into_iter()
+        .map(|question| system.iter().chain(&question).copied().collect())
+        .collect()
+}
+
+#[actix_rt::test]
+async fn tokens_are_identical_with_the_prefix_cache_on_or_off_and_any_chunk_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = pair_config(dir.path(), TinySpec::new(Arch::Llama), "");
+    let prompts = with_system_prompt(6);
+    let mut reference: Option<Vec<Vec<u32>>> = None;
+    for mode in ExecutionMode::ALL {
+        for prefix_cache in [true, false] {
+            for budget in [
+                TokenBudget::Tokens(1),
+                TokenBudget::Tokens(7),
+                TokenBudget::Tokens(64),
+                TokenBudget::Unlimited,
+            ] {
+                let mut config = base.clone();
+                config.runtime.prefix_cache = prefix_cache;
+                for model in &mut config.models {
+                    model.step_token_budget = Some(budget);
+                }
+                let rt = Runtime::start(&config, Some(mode)).unwrap();
+                let tokens: Vec<Vec<u32>> = run_all(&rt, &prompts, "me", 6, 8)
+                    .await
+                    .into_iter()
+                    .map(|r| r.unwrap().token_ids)
+                    .collect();
+                let what = format!("{mode:?}, prefix cache {prefix_cache}, budget {budget:?}");
+                match &reference {
+                    None => reference = Some(tokens),
+                    Some(want) => assert_eq!(&tokens, want, "{what}"),
+                }
+                let chunked = rt
+                    .snapshot()
+                    .models
+                    .iter()
+                    .map(|m| m.chunked_rows)
+                    .sum::<u64>();
+                assert_eq!(
+                    chunked > 0,
+                    budget != TokenBudget::Unlimited,
+                    "{what}: chunked rows"
+                );
+                wait_for_zero_kv(&rt).await;
+                rt.shutdown();
+            }
+        }
+    }
+}
+
+#[actix_rt::test]
+async fn a_shared_system_prompt_is_prefilled_once_per_model_and_stays_cached() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = pair_config(dir.path(), TinySpec::new(Arch::Llama), "");
+    for model in &mut config.models {
+        model.kv_tokens = 512;
+    }
+    let (n, max_tokens) = (8, 12);
+    let prompts = with_system_prompt(n);
+    for mode in ExecutionMode::ALL {
+        let rt = Runtime::start(&config, Some(mode)).unwrap();
+        for result in run_all(&rt, &prompts, "me", n, max_tokens).await {
+            result.unwrap();
+        }
+        wait_for_zero_kv(&rt).await;
+        for m in rt.snapshot().models {
+            // Past the system prompt a request brings at most its question and its tokens:
+            // computing the 200 shared tokens twice would exceed this.
+            let own: usize = prompts.iter().map(|p| p.len() - 200 + max_tokens).sum();
+            assert!(
+                m.tokens_processed as usize <= 200 + own,
+                "{mode:?} {}: {} tokens processed",
+                m.name,
+                m.tokens_processed
+            );
+            assert!(m.prefix_cache.hit_tokens >= 200, "{mode:?} {}", m.name);
+            assert!(
+                m.kv_tokens_cached > 0,
+                "{mode:?} {}: nothing cached",
+                m.name
+            );
+        }
+        // The cache is evictable: a prompt needing most of the budget still runs.
+        let long: Vec<u32> = (0..420).map(|j| 3 + (j * 11) % 250).collect();
+        rt.submit(request(&long, "me", 4, 1))
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
         wait_for_zero_kv(&rt).await;
         rt.shutdown();
     }
@@ -358,7 +459,7 @@ async fn bad_requests_are_refused_with_clear_errors() {
 }
 
 #[actix_rt::test]
-async fn kv_pressure_preempts_pending_requests_and_fails_only_what_cannot_fit() {
+async fn kv_pressure_preempts_and_waits_and_fails_only_what_cannot_fit_alone() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec::new(Arch::Llama);
     let prompts = prompts(16);
@@ -371,44 +472,35 @@ async fn kv_pressure_preempts_pending_requests_and_fails_only_what_cannot_fit() 
     roomy.shutdown();
 
     // 4 blocks of 16 tokens per model; a request needs up to 2 blocks on each model.
-    let tight = pair_config(dir.path(), spec, "kv_tokens = 64");
-    let rt = Runtime::start(&tight, Some(ExecutionMode::Tokenrouter)).unwrap();
-    // A request larger than a model's whole budget can never run: a bad request, not overload.
-    let err = rt
-        .submit(request(&(3..53).collect::<Vec<_>>(), "me", 15, 0))
-        .err()
-        .expect("50 + 15 tokens exceed a 64-token budget");
-    assert!(
-        matches!(&err, RuntimeError::Invalid(e) if e.to_string().contains("KV budget of 64")),
-        "{err}"
-    );
-    // Two at a time always fit.
-    let pairs = run_all(&rt, &prompts, "me", 2, 12).await;
-    for (result, want) in pairs.iter().zip(&reference) {
-        assert_eq!(&result.as_ref().unwrap().token_ids, want);
-    }
-    // Eight at a time do not: pending KV gives way first (re-prefilling a preempted request
-    // changes none of its tokens); what still cannot fit fails as overloaded (retryable);
-    // nothing leaks.
-    let crowd = run_all(&rt, &prompts, "me", 8, 12).await;
-    let mut overloaded = 0;
-    for (result, want) in crowd.iter().zip(&reference) {
-        match result {
-            Ok(c) => assert_eq!(&c.token_ids, want),
-            Err(RuntimeError::Overloaded(message)) => {
-                assert!(message.contains("KV cache full"), "{message}");
-                overloaded += 1;
-            }
-            Err(e) => panic!("unexpected failure: {e}"),
+    let mut tight = pair_config(dir.path(), spec, "kv_tokens = 64");
+    tight.runtime.prefix_cache = false;
+    for mode in ExecutionMode::ALL {
+        let rt = Runtime::start(&tight, Some(mode)).unwrap();
+        // A request larger than a model's whole budget can never run: a bad request.
+        let err = rt
+            .submit(request(&(3..53).collect::<Vec<_>>(), "me", 15, 0))
+            .err()
+            .expect("50 + 15 tokens exceed a 64-token budget");
+        assert!(
+            matches!(&err, RuntimeError::Invalid(e) if e.to_string().contains("KV budget of 64")),
+            "{err}"
+        );
+        // Eight at a time do not fit at once: pending KV gives way first, then residents
+        // wait for room or start over (re-prefilling changes none of their tokens); every
+        // request that fits alone completes; nothing leaks.
+        let crowd = run_all(&rt, &prompts, "me", 8, 12).await;
+        for (result, want) in crowd.iter().zip(&reference) {
+            let completion = result.as_ref().unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+            assert_eq!(&completion.token_ids, want, "{mode:?}");
         }
+        if mode != ExecutionMode::Standard {
+            let preempted: u64 = rt.snapshot().models.iter().map(|m| m.preemptions).sum();
+            assert!(
+                preempted > 0,
+                "{mode:?}: pending KV was taken for residents"
+            );
+        }
+        wait_for_zero_kv(&rt).await;
+        rt.shutdown();
     }
-    assert!(
-        overloaded > 0 && overloaded < crowd.len(),
-        "{overloaded} of {}",
-        crowd.len()
-    );
-    let preempted: u64 = rt.snapshot().models.iter().map(|m| m.preemptions).sum();
-    assert!(preempted > 0, "pending KV was taken for resident requests");
-    wait_for_zero_kv(&rt).await;
-    rt.shutdown();
 }

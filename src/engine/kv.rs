@@ -1,12 +1,18 @@
-//! Per-sequence KV storage for one model, allocated in fixed-size blocks from a token budget.
+//! One model's KV block manager: a budget of fixed-size blocks, per sequence the table of
+//! blocks holding its positions, and a prefix index shared across sequences (vLLM's automatic
+//! prefix caching, SGLang's radix cache). Plain data: the backends keep the blocks' contents
+//! (`BlockId` indexes their storage) and carry out the `BlockCopy`s it asks for.
+//!
+//! Invariants: a full block never changes, so any number of sequences may share it; a
+//! partly filled block belongs to at most one sequence (a match of one is copied); a block no
+//! sequence references but which holds tokens stays cached, evictable in LRU order.
 //! Reserving happens before a step touches anything, so exhaustion is a typed error the
 //! scheduler can act on (wait, preempt, reject), never a half-applied step.
 
 use crate::error::{EngineError, EngineResult};
-use half::f16;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
-/// One KV sequence of a model's cache (a request's, or a cached prefix).
+/// One KV sequence of a model's cache (a request's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);
 
@@ -19,59 +25,127 @@ impl std::fmt::Display for SeqId {
 /// Tokens per allocation block.
 pub const BLOCK_TOKENS: usize = 16;
 
-/// One sequence's keys and values: per layer, row-major `[position, kv_heads * head_dim]`,
-/// in f16: attention reads a sequence's whole cache every step, so half the bytes is half
-/// its memory traffic (llama.cpp's default cache type too).
-pub struct SeqKv {
+/// A block of a backend's KV storage (`0..capacity_blocks`).
+pub type BlockId = u32;
+
+/// Positions `0..positions` of block `from` to be copied into block `to` (every layer) before
+/// the next step: a shared prefix ending inside a block, or a rollback into a full one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub from: BlockId,
+    pub to: BlockId,
+    pub positions: usize,
+}
+
+/// A node of the prefix index: the content of one block at one place in a chain. Node ids are
+/// never reused, so an entry under an evicted parent can never match a different prefix.
+type NodeId = u64;
+const ROOT: NodeId = 0;
+
+struct Block {
+    /// Sequences whose table holds this block.
+    refs: u32,
+    /// The tokens of the positions written so far (`BLOCK_TOKENS` when full).
+    tokens: Vec<u32>,
+    /// The node of the previous block of the chain (`ROOT` for a first block).
+    parent: NodeId,
+    node: NodeId,
+    /// When it last became unreferenced (LRU order of eviction).
+    released_at: u64,
+}
+
+struct SeqTable {
     len: usize,
-    blocks: usize,
-    pub keys: Vec<Vec<f16>>,
-    pub values: Vec<Vec<f16>>,
-}
-
-impl SeqKv {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-pub struct KvStore {
-    layers: usize,
-    kv_dim: usize,
-    capacity_blocks: usize,
-    used_blocks: usize,
-    seqs: HashMap<SeqId, SeqKv>,
+    blocks: Vec<BlockId>,
 }
 
 /// Usage counters, in tokens (block-granular).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct KvUsage {
+    /// Blocks some sequence references.
     pub used_tokens: usize,
+    /// Blocks only the prefix cache holds (evictable).
+    pub cached_tokens: usize,
     pub capacity_tokens: usize,
     pub sequences: usize,
 }
 
+/// The prefix cache's counters, cumulative.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PrefixCounters {
+    pub lookups: u64,
+    /// Lookups that matched at least one token.
+    pub hits: u64,
+    /// Positions taken from the cache instead of computed.
+    pub hit_tokens: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
+}
+
+pub struct KvStore {
+    capacity_blocks: usize,
+    /// Indexed by `BlockId`; `None` for a free slot.
+    blocks: Vec<Option<Block>>,
+    free_slots: Vec<BlockId>,
+    /// Blocks that hold tokens, by the node they follow.
+    children: HashMap<NodeId, Vec<BlockId>>,
+    /// Unreferenced blocks holding tokens, oldest release first.
+    evictable: BTreeSet<(u64, BlockId)>,
+    seqs: HashMap<SeqId, SeqTable>,
+    next_node: NodeId,
+    clock: u64,
+    sharing: bool,
+    counters: PrefixCounters,
+}
+
 impl KvStore {
-    pub fn new(layers: usize, kv_dim: usize, kv_tokens: usize) -> Self {
+    pub fn new(kv_tokens: usize) -> Self {
         Self {
-            layers,
-            kv_dim,
             capacity_blocks: kv_tokens.div_ceil(BLOCK_TOKENS),
-            used_blocks: 0,
+            blocks: Vec::new(),
+            free_slots: Vec::new(),
+            children: HashMap::new(),
+            evictable: BTreeSet::new(),
             seqs: HashMap::new(),
+            next_node: ROOT + 1,
+            clock: 0,
+            sharing: true,
+            counters: PrefixCounters::default(),
         }
+    }
+
+    /// Turns prefix sharing on or off: off, `attach_prefix` matches nothing and released
+    /// blocks are freed at once.
+    pub fn set_prefix_sharing(&mut self, on: bool) {
+        self.sharing = on;
+        if !on {
+            while self.evict_one() {}
+        }
+    }
+
+    pub fn capacity_blocks(&self) -> usize {
+        self.capacity_blocks
+    }
+
+    fn allocated_blocks(&self) -> usize {
+        self.blocks.len() - self.free_slots.len()
+    }
+
+    fn referenced_blocks(&self) -> usize {
+        self.allocated_blocks() - self.evictable.len()
     }
 
     pub fn usage(&self) -> KvUsage {
         KvUsage {
-            used_tokens: self.used_blocks * BLOCK_TOKENS,
+            used_tokens: self.referenced_blocks() * BLOCK_TOKENS,
+            cached_tokens: self.evictable.len() * BLOCK_TOKENS,
             capacity_tokens: self.capacity_blocks * BLOCK_TOKENS,
             sequences: self.seqs.len(),
         }
+    }
+
+    pub fn prefix_counters(&self) -> PrefixCounters {
+        self.counters
     }
 
     /// Tokens sequence `seq` holds (0 when unknown).
@@ -83,9 +157,14 @@ impl KvStore {
         self.seqs.contains_key(&seq)
     }
 
-    /// Tokens of free capacity (whole blocks).
+    /// The blocks holding `seq`'s positions, in order (position p in `table[p / BLOCK_TOKENS]`).
+    pub fn table(&self, seq: SeqId) -> &[BlockId] {
+        self.seqs.get(&seq).map_or(&[], |s| s.blocks.as_slice())
+    }
+
+    /// Tokens of capacity a reservation may take: free blocks and evictable cached ones.
     pub fn free_tokens(&self) -> usize {
-        (self.capacity_blocks - self.used_blocks) * BLOCK_TOKENS
+        (self.capacity_blocks - self.referenced_blocks()) * BLOCK_TOKENS
     }
 
     /// Capacity `reserve` would take to append `new_tokens` to `seq` (whole blocks).
@@ -94,19 +173,31 @@ impl KvStore {
     }
 
     fn blocks_needed(&self, seq: SeqId, new_tokens: usize) -> usize {
-        let (len, have) = self.seqs.get(&seq).map_or((0, 0), |s| (s.len, s.blocks));
+        let (len, have) = self
+            .seqs
+            .get(&seq)
+            .map_or((0, 0), |s| (s.len, s.blocks.len()));
         (len + new_tokens)
             .div_ceil(BLOCK_TOKENS)
             .saturating_sub(have)
     }
 
-    /// Reserves room for all `(seq, new_tokens)` at once, or nothing.
+    fn block(&self, id: BlockId) -> &Block {
+        self.blocks[id as usize].as_ref().expect("a live block")
+    }
+
+    fn block_mut(&mut self, id: BlockId) -> &mut Block {
+        self.blocks[id as usize].as_mut().expect("a live block")
+    }
+
+    /// Reserves room for all `(seq, new_tokens)` at once, or nothing. Unknown sequences are
+    /// created. Cached blocks are evicted, oldest first, where free ones run out.
     pub fn reserve(&mut self, requests: &[(SeqId, usize)]) -> EngineResult<()> {
         let needed: usize = requests
             .iter()
             .map(|&(seq, n)| self.blocks_needed(seq, n))
             .sum();
-        let free = self.capacity_blocks - self.used_blocks;
+        let free = self.capacity_blocks - self.referenced_blocks();
         if needed > free {
             return Err(EngineError::KvExhausted {
                 requested: needed * BLOCK_TOKENS,
@@ -116,89 +207,293 @@ impl KvStore {
         }
         for &(seq, n) in requests {
             let extra = self.blocks_needed(seq, n);
-            let (layers, kv_dim) = (self.layers, self.kv_dim);
-            let entry = self.seqs.entry(seq).or_insert_with(|| SeqKv {
+            self.seqs.entry(seq).or_insert_with(|| SeqTable {
                 len: 0,
-                blocks: 0,
-                keys: vec![Vec::new(); layers],
-                values: vec![Vec::new(); layers],
+                blocks: Vec::new(),
             });
-            entry.blocks += extra;
-            let capacity = entry.blocks * BLOCK_TOKENS * kv_dim;
-            for buf in entry.keys.iter_mut().chain(entry.values.iter_mut()) {
-                buf.reserve_exact(capacity - buf.len());
+            for _ in 0..extra {
+                let parent = self.tail_node(seq);
+                let id = self.allocate(parent).expect("counted as free above");
+                self.seqs.get_mut(&seq).expect("created").blocks.push(id);
             }
-            self.used_blocks += extra;
         }
         Ok(())
     }
 
-    pub fn seq_mut(&mut self, seq: SeqId) -> Option<&mut SeqKv> {
-        self.seqs.get_mut(&seq)
+    /// The node a block appended to `seq` follows.
+    fn tail_node(&self, seq: SeqId) -> NodeId {
+        self.table(seq)
+            .last()
+            .map_or(ROOT, |&last| self.block(last).node)
     }
 
-    /// Marks `n` appended positions as committed (after every layer wrote them).
-    pub fn advance(&mut self, seq: SeqId, n: usize) {
-        if let Some(s) = self.seqs.get_mut(&seq) {
-            s.len += n;
-            debug_assert!(s.len <= s.blocks * BLOCK_TOKENS);
+    /// A fresh, referenced block following `parent`; `None` when every block is referenced.
+    fn allocate(&mut self, parent: NodeId) -> Option<BlockId> {
+        let id = match self.free_slots.pop() {
+            Some(id) => id,
+            None if self.blocks.len() < self.capacity_blocks => {
+                self.blocks.push(None);
+                (self.blocks.len() - 1) as BlockId
+            }
+            None => {
+                if !self.evict_one() {
+                    return None;
+                }
+                self.free_slots.pop().expect("eviction freed a slot")
+            }
+        };
+        let node = self.next_node;
+        self.next_node += 1;
+        self.blocks[id as usize] = Some(Block {
+            refs: 1,
+            tokens: Vec::with_capacity(BLOCK_TOKENS),
+            parent,
+            node,
+            released_at: 0,
+        });
+        Some(id)
+    }
+
+    /// Evicts the least recently released cached block (and the cached blocks after it,
+    /// which no lookup could reach any more). False when nothing is cached.
+    fn evict_one(&mut self) -> bool {
+        let Some(&(_, id)) = self.evictable.first() else {
+            return false;
+        };
+        self.remove_cached(id);
+        true
+    }
+
+    fn remove_cached(&mut self, id: BlockId) {
+        let block = self.blocks[id as usize].take().expect("a cached block");
+        self.evictable.remove(&(block.released_at, id));
+        self.counters.evictions += 1;
+        self.unlink(id, block.parent);
+        self.free_slots.push(id);
+        for child in self.children.remove(&block.node).unwrap_or_default() {
+            if self.block(child).refs == 0 {
+                self.remove_cached(child);
+            }
         }
     }
 
-    /// Drops a sequence and returns its blocks to the budget. Unknown ids are a no-op.
+    fn unlink(&mut self, id: BlockId, parent: NodeId) {
+        if let Some(siblings) = self.children.get_mut(&parent) {
+            siblings.retain(|&b| b != id);
+            if siblings.is_empty() {
+                self.children.remove(&parent);
+            }
+        }
+    }
+
+    /// Drops one reference: a block nobody references is cached if it holds tokens (and
+    /// sharing is on), freed otherwise.
+    fn release(&mut self, id: BlockId) {
+        self.clock += 1;
+        let (clock, sharing) = (self.clock, self.sharing);
+        let block = self.block_mut(id);
+        block.refs -= 1;
+        if block.refs > 0 {
+            return;
+        }
+        if sharing && !block.tokens.is_empty() {
+            block.released_at = clock;
+            self.evictable.insert((clock, id));
+        } else {
+            let (parent, node) = (block.parent, block.node);
+            self.blocks[id as usize] = None;
+            self.unlink(id, parent);
+            self.free_slots.push(id);
+            for child in self.children.remove(&node).unwrap_or_default() {
+                if self.block(child).refs == 0 {
+                    self.remove_cached(child);
+                }
+            }
+        }
+    }
+
+    /// Takes one more reference to `id` (out of the evictable set if it was there).
+    fn retain(&mut self, id: BlockId) {
+        let block = self.block_mut(id);
+        block.refs += 1;
+        if block.refs == 1 {
+            let key = (block.released_at, id);
+            self.evictable.remove(&key);
+        }
+    }
+
+    /// Marks `tokens` appended to `seq` as committed (after every layer wrote them) and
+    /// indexes the blocks they fill.
+    pub fn advance(&mut self, seq: SeqId, tokens: &[u32]) {
+        let Some(table) = self.seqs.get(&seq) else {
+            return;
+        };
+        let (start, ids) = (table.len, table.blocks.clone());
+        for (offset, &token) in tokens.iter().enumerate() {
+            let position = start + offset;
+            let id = ids[position / BLOCK_TOKENS];
+            let block = self.block_mut(id);
+            debug_assert_eq!(block.tokens.len(), position % BLOCK_TOKENS);
+            block.tokens.push(token);
+            if block.tokens.len() == 1 {
+                let parent = block.parent;
+                self.children.entry(parent).or_default().push(id);
+            }
+        }
+        self.seqs.get_mut(&seq).expect("checked").len += tokens.len();
+    }
+
+    /// Starts sequence `seq` (unknown or empty) on the longest cached prefix of `tokens`:
+    /// full blocks are shared, a match ending inside a block gets a copy of that block.
+    /// Returns the positions matched and the copy the backend must make.
+    pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> (usize, Option<BlockCopy>) {
+        self.free(seq);
+        self.seqs.insert(
+            seq,
+            SeqTable {
+                len: 0,
+                blocks: Vec::new(),
+            },
+        );
+        if !self.sharing {
+            return (0, None);
+        }
+        self.counters.lookups += 1;
+        let (full, partial) = self.longest_prefix(tokens);
+        for &id in &full {
+            self.retain(id);
+        }
+        let mut matched = full.len() * BLOCK_TOKENS;
+        self.seqs.get_mut(&seq).expect("inserted").blocks = full;
+        let mut copy = None;
+        if let Some((from, positions)) = partial {
+            // Pinned while its copy is allocated, so that allocation cannot evict it.
+            self.retain(from);
+            if let Some(to) = self.allocate(self.tail_node(seq)) {
+                let prefix = self.block(from).tokens[..positions].to_vec();
+                self.seqs.get_mut(&seq).expect("inserted").blocks.push(to);
+                self.block_mut(to).tokens = prefix;
+                let parent = self.block(to).parent;
+                self.children.entry(parent).or_default().push(to);
+                matched += positions;
+                copy = Some(BlockCopy {
+                    from,
+                    to,
+                    positions,
+                });
+            }
+            self.release(from);
+        }
+        self.seqs.get_mut(&seq).expect("inserted").len = matched;
+        if matched > 0 {
+            self.counters.hits += 1;
+            self.counters.hit_tokens += matched as u64;
+        }
+        (matched, copy)
+    }
+
+    /// Full blocks matching `tokens` from the start, then the block (if any) sharing the
+    /// longest run of the rest, with that run's length.
+    fn longest_prefix(&self, tokens: &[u32]) -> (Vec<BlockId>, Option<(BlockId, usize)>) {
+        let mut full = Vec::new();
+        let mut node = ROOT;
+        let mut rest = tokens;
+        loop {
+            let best = self
+                .children
+                .get(&node)
+                .into_iter()
+                .flatten()
+                .map(|&id| {
+                    let common = self
+                        .block(id)
+                        .tokens
+                        .iter()
+                        .zip(rest)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    (common, id)
+                })
+                .max();
+            match best {
+                Some((BLOCK_TOKENS, id)) => {
+                    full.push(id);
+                    node = self.block(id).node;
+                    rest = &rest[BLOCK_TOKENS..];
+                }
+                Some((common, id)) if common > 0 => return (full, Some((id, common))),
+                _ => return (full, None),
+            }
+        }
+    }
+
+    /// Forgets positions from `len` on. A cut inside a full (possibly shared) block moves
+    /// the kept part to a private copy; where no block is left for it, the cut moves back
+    /// to the block's start. Returns the length kept and the copy to make.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> (usize, Option<BlockCopy>) {
+        let Some(table) = self.seqs.get(&seq) else {
+            return (0, None);
+        };
+        if len >= table.len {
+            return (table.len, None);
+        }
+        let keep = len.div_ceil(BLOCK_TOKENS);
+        let dropped = table.blocks[keep..].to_vec();
+        let blocks = table.blocks[..keep].to_vec();
+        for id in dropped.into_iter().rev() {
+            self.release(id);
+        }
+        let table = self.seqs.get_mut(&seq).expect("checked");
+        table.blocks = blocks;
+        table.len = len;
+        let within = len % BLOCK_TOKENS;
+        if within == 0 {
+            return (len, None);
+        }
+        let last = *table.blocks.last().expect("len > 0");
+        let block = self.block(last);
+        if block.refs == 1 && block.tokens.len() < BLOCK_TOKENS {
+            self.block_mut(last).tokens.truncate(within);
+            return (len, None);
+        }
+        self.seqs.get_mut(&seq).expect("checked").blocks.pop();
+        let parent = self.tail_node(seq);
+        // The full block stays pinned while its replacement is allocated.
+        let copy = self.allocate(parent).map(|to| {
+            let prefix = self.block(last).tokens[..within].to_vec();
+            self.block_mut(to).tokens = prefix;
+            self.children.entry(parent).or_default().push(to);
+            self.seqs.get_mut(&seq).expect("checked").blocks.push(to);
+            BlockCopy {
+                from: last,
+                to,
+                positions: within,
+            }
+        });
+        self.release(last);
+        let kept = if copy.is_some() { len } else { len - within };
+        self.seqs.get_mut(&seq).expect("checked").len = kept;
+        (kept, copy)
+    }
+
+    /// Drops a sequence: its blocks stay cached for later prefixes where they hold tokens.
+    /// Unknown ids are a no-op.
     pub fn free(&mut self, seq: SeqId) {
-        if let Some(s) = self.seqs.remove(&seq) {
-            self.used_blocks -= s.blocks;
-        }
-    }
-
-    /// Allocates `dst` holding a copy of the first `len` positions of `src` (a prefix-cache
-    /// hit in a standard server: fresh allocation, then copy). All or nothing.
-    pub fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
-        let available = self.seq_len(src);
-        if len > available || self.contains(dst) {
-            return Err(EngineError::InvalidStep(format!(
-                "cannot fork {len} positions of sequence {src} ({available} held) into {dst}"
-            )));
-        }
-        self.reserve(&[(dst, len)])?;
-        let kv_dim = self.kv_dim;
-        let [source, target] = self.seqs.get_disjoint_mut([&src, &dst]);
-        let (source, target) = (source.expect("checked"), target.expect("reserved"));
-        for (to, from) in target.keys.iter_mut().zip(&source.keys) {
-            to.extend_from_slice(&from[..len * kv_dim]);
-        }
-        for (to, from) in target.values.iter_mut().zip(&source.values) {
-            to.extend_from_slice(&from[..len * kv_dim]);
-        }
-        target.len = len;
-        Ok(())
-    }
-
-    /// Forgets positions from `len` on (their blocks stay allocated to the sequence).
-    pub fn truncate(&mut self, seq: SeqId, len: usize) {
-        let kv_dim = self.kv_dim;
-        if let Some(s) = self.seqs.get_mut(&seq) {
-            s.len = s.len.min(len);
-            for buf in s.keys.iter_mut().chain(s.values.iter_mut()) {
-                buf.truncate(s.len * kv_dim);
+        if let Some(table) = self.seqs.remove(&seq) {
+            // Tail first, so that under pressure a chain is evicted from its end.
+            for id in table.blocks.into_iter().rev() {
+                self.release(id);
             }
         }
     }
 
-    /// Drops every sequence (a restarted model starts with a fresh cache).
+    /// Drops every sequence and cached block (a restarted model starts with a fresh cache).
     pub fn clear(&mut self) {
+        self.blocks.clear();
+        self.free_slots.clear();
+        self.children.clear();
+        self.evictable.clear();
         self.seqs.clear();
-        self.used_blocks = 0;
-    }
-
-    /// Removes sequences out of the map so a step can write them in parallel; `put_back` returns them.
-    pub fn take(&mut self, seq: SeqId) -> Option<SeqKv> {
-        self.seqs.remove(&seq)
-    }
-
-    pub fn put_back(&mut self, seq: SeqId, kv: SeqKv) {
-        self.seqs.insert(seq, kv);
     }
 }
 
@@ -206,9 +501,19 @@ impl KvStore {
 mod tests {
     use super::*;
 
+    /// Reserves and commits `tokens` onto `seq`.
+    fn write(kv: &mut KvStore, seq: u64, tokens: &[u32]) {
+        kv.reserve(&[(SeqId(seq), tokens.len())]).unwrap();
+        kv.advance(SeqId(seq), tokens);
+    }
+
+    fn run(from: u32, n: usize) -> Vec<u32> {
+        (from..from + n as u32).collect()
+    }
+
     #[test]
     fn reserve_is_all_or_nothing_and_free_returns_blocks() {
-        let mut kv = KvStore::new(2, 8, 64);
+        let mut kv = KvStore::new(64);
         kv.reserve(&[(SeqId(1), 20), (SeqId(2), 10)]).unwrap();
         assert_eq!(kv.usage().used_tokens, 48);
         let err = kv.reserve(&[(SeqId(1), 12), (SeqId(3), 17)]).unwrap_err();
@@ -226,44 +531,145 @@ mod tests {
             kv.usage(),
             KvUsage {
                 used_tokens: 0,
+                cached_tokens: 0,
                 capacity_tokens: 64,
                 sequences: 0
-            }
+            },
+            "blocks reserved but never written are not cached"
         );
-    }
-
-    #[test]
-    fn fork_copies_a_prefix_into_a_fresh_allocation() {
-        let mut kv = KvStore::new(1, 2, 64);
-        kv.reserve(&[(SeqId(1), 3)]).unwrap();
-        let seq = kv.seq_mut(SeqId(1)).unwrap();
-        let halves = |v: [f32; 6]| v.map(f16::from_f32);
-        seq.keys[0].extend_from_slice(&halves([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
-        seq.values[0].extend_from_slice(&halves([6.0, 5.0, 4.0, 3.0, 2.0, 1.0]));
-        kv.advance(SeqId(1), 3);
-        kv.fork_prefix(SeqId(1), SeqId(2), 2).unwrap();
-        assert_eq!(kv.seq_len(SeqId(2)), 2);
-        let forked = kv.take(SeqId(2)).unwrap();
-        let floats = |v: &[f16]| v.iter().map(|h| h.to_f32()).collect::<Vec<_>>();
-        assert_eq!(floats(&forked.keys[0]), [1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(floats(&forked.values[0]), [6.0, 5.0, 4.0, 3.0]);
-        assert!(
-            kv.fork_prefix(SeqId(1), SeqId(3), 4).is_err(),
-            "longer than the source"
-        );
-        kv.clear();
-        assert_eq!(kv.usage().used_tokens, 0);
     }
 
     #[test]
     fn growth_within_a_block_costs_nothing() {
-        let mut kv = KvStore::new(1, 4, 64);
-        kv.reserve(&[(SeqId(7), 3)]).unwrap();
-        kv.advance(SeqId(7), 3);
+        let mut kv = KvStore::new(64);
+        write(&mut kv, 7, &[1, 2, 3]);
         kv.reserve(&[(SeqId(7), 13)]).unwrap();
         assert_eq!(kv.usage().used_tokens, BLOCK_TOKENS);
-        kv.advance(SeqId(7), 13);
+        kv.advance(SeqId(7), &run(4, 13));
         kv.reserve(&[(SeqId(7), 1)]).unwrap();
         assert_eq!(kv.usage().used_tokens, 2 * BLOCK_TOKENS);
+    }
+
+    #[test]
+    fn full_blocks_are_shared_and_a_partial_match_is_copied() {
+        let mut kv = KvStore::new(1024);
+        let prompt = run(100, 40);
+        write(&mut kv, 1, &prompt);
+        // Same first 37 tokens: two full blocks shared, 5 positions of the third copied.
+        let mut other = prompt[..37].to_vec();
+        other.extend([7, 7, 7]);
+        let (matched, copy) = kv.attach_prefix(SeqId(2), &other);
+        assert_eq!(matched, 37);
+        let (first, second) = (kv.table(SeqId(1)).to_vec(), kv.table(SeqId(2)).to_vec());
+        assert_eq!(first[..2], second[..2], "full blocks are shared");
+        assert_eq!(
+            copy,
+            Some(BlockCopy {
+                from: first[2],
+                to: second[2],
+                positions: 5
+            })
+        );
+        assert_eq!(kv.usage().used_tokens, 4 * BLOCK_TOKENS, "3 + 1 copied");
+        kv.reserve(&[(SeqId(2), 3)]).unwrap();
+        kv.advance(SeqId(2), &[7, 7, 7]);
+        assert_eq!(kv.seq_len(SeqId(2)), 40);
+        let counters = kv.prefix_counters();
+        assert_eq!((counters.hits, counters.hit_tokens), (1, 37));
+    }
+
+    #[test]
+    fn ended_sequences_stay_cached_until_their_blocks_are_needed() {
+        let mut kv = KvStore::new(4 * BLOCK_TOKENS);
+        let prompt = run(1, 2 * BLOCK_TOKENS + 3);
+        write(&mut kv, 1, &prompt);
+        kv.free(SeqId(1));
+        assert_eq!(kv.usage().used_tokens, 0);
+        assert_eq!(kv.usage().cached_tokens, 3 * BLOCK_TOKENS);
+        assert_eq!(
+            kv.free_tokens(),
+            4 * BLOCK_TOKENS,
+            "cached blocks are evictable"
+        );
+        // The same prompt later: every position comes from the cache (the last block copied).
+        let (matched, copy) = kv.attach_prefix(SeqId(2), &prompt);
+        assert_eq!(matched, prompt.len());
+        assert_eq!(copy.map(|c| c.positions), Some(3));
+        kv.free(SeqId(2));
+        // Room for a different 64-token prompt: the cache is evicted, tail blocks first.
+        write(&mut kv, 3, &run(500, 4 * BLOCK_TOKENS));
+        assert_eq!(kv.usage().cached_tokens, 0);
+        assert!(kv.prefix_counters().evictions >= 3);
+        kv.free(SeqId(3));
+        let (matched, _) = kv.attach_prefix(SeqId(4), &prompt);
+        assert_eq!(matched, 0, "evicted blocks match nothing");
+    }
+
+    #[test]
+    fn a_referenced_block_is_never_evicted() {
+        let mut kv = KvStore::new(2 * BLOCK_TOKENS);
+        write(&mut kv, 1, &run(1, BLOCK_TOKENS));
+        write(&mut kv, 2, &run(50, BLOCK_TOKENS));
+        kv.free(SeqId(2));
+        let err = kv.reserve(&[(SeqId(3), 2 * BLOCK_TOKENS)]).unwrap_err();
+        assert!(matches!(err, EngineError::KvExhausted { .. }));
+        kv.reserve(&[(SeqId(3), BLOCK_TOKENS)]).unwrap();
+        assert_eq!(kv.seq_len(SeqId(1)), BLOCK_TOKENS);
+        let (matched, _) = kv.attach_prefix(SeqId(4), &run(1, BLOCK_TOKENS + 1));
+        assert_eq!(matched, BLOCK_TOKENS, "sequence 1's block is still indexed");
+    }
+
+    #[test]
+    fn a_rollback_into_a_shared_block_copies_it_and_leaves_the_original_intact() {
+        let mut kv = KvStore::new(1024);
+        let prompt = run(1, 2 * BLOCK_TOKENS);
+        write(&mut kv, 1, &prompt);
+        let (matched, _) = kv.attach_prefix(SeqId(2), &prompt);
+        assert_eq!(matched, 2 * BLOCK_TOKENS);
+        let (kept, copy) = kv.truncate(SeqId(2), 2 * BLOCK_TOKENS - 1);
+        assert_eq!(kept, 2 * BLOCK_TOKENS - 1);
+        let shared = kv.table(SeqId(1))[1];
+        assert_eq!(copy.map(|c| (c.from, c.positions)), Some((shared, 15)));
+        assert_ne!(kv.table(SeqId(2))[1], shared);
+        kv.reserve(&[(SeqId(2), 1)]).unwrap();
+        kv.advance(SeqId(2), &[999]);
+        // Sequence 1's chain still matches in full; the rewritten one as well.
+        let (matched, _) = kv.attach_prefix(SeqId(3), &prompt);
+        assert_eq!(matched, 2 * BLOCK_TOKENS);
+        let mut rewritten = prompt.clone();
+        *rewritten.last_mut().unwrap() = 999;
+        rewritten.push(5);
+        let (matched, _) = kv.attach_prefix(SeqId(4), &rewritten);
+        assert_eq!(matched, 2 * BLOCK_TOKENS);
+        // A cut inside a private partial block truncates in place.
+        write(&mut kv, 5, &run(300, 5));
+        assert_eq!(kv.truncate(SeqId(5), 3), (3, None));
+        kv.reserve(&[(SeqId(5), 1)]).unwrap();
+        kv.advance(SeqId(5), &[42]);
+        let (matched, _) = kv.attach_prefix(SeqId(6), &[300, 301, 302, 42, 0]);
+        assert_eq!(matched, 4);
+    }
+
+    #[test]
+    fn without_sharing_nothing_is_matched_or_cached() {
+        let mut kv = KvStore::new(1024);
+        kv.set_prefix_sharing(false);
+        let prompt = run(1, 40);
+        write(&mut kv, 1, &prompt);
+        assert_eq!(kv.attach_prefix(SeqId(2), &prompt), (0, None));
+        kv.free(SeqId(1));
+        assert_eq!(kv.usage().cached_tokens, 0);
+        assert_eq!(kv.prefix_counters().lookups, 0);
+    }
+
+    #[test]
+    fn clear_forgets_sequences_and_cache() {
+        let mut kv = KvStore::new(1024);
+        write(&mut kv, 1, &run(1, 40));
+        write(&mut kv, 2, &run(1, 20));
+        kv.free(SeqId(2));
+        kv.clear();
+        assert_eq!(kv.usage().used_tokens + kv.usage().cached_tokens, 0);
+        assert_eq!(kv.attach_prefix(SeqId(3), &run(1, 40)).0, 0);
     }
 }

@@ -2,13 +2,13 @@
 //! through each weight matmul together (`[rows, hidden] × Wᵀ`); attention runs per sequence
 //! over its own KV. Sequences at different lengths share a step without padding.
 
-use super::kv::{KvStore, SeqId, SeqKv};
+use super::kv::{BlockId, KvStore, SeqId, BLOCK_TOKENS};
+use super::kv_blocks::KvBlocks;
 use super::ops;
 use super::parallel;
 use super::qmatmul::QWeight;
 use super::weights::{Hyperparams, LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
-use half::f16;
 
 pub struct LlamaModel {
     pub weights: ModelWeights,
@@ -29,6 +29,13 @@ pub struct Segment {
     pub first_row: usize,
     pub rows: usize,
     pub first_position: usize,
+}
+
+/// Where a step's rows go: per row its position; per sequence its rows and KV blocks.
+struct StepShape {
+    positions: Vec<usize>,
+    segments: Vec<Segment>,
+    tables: Vec<Vec<BlockId>>,
 }
 
 /// Inverse rope frequency per pair of head dimensions (with Llama 3.1's divisors if any).
@@ -122,6 +129,7 @@ impl LlamaModel {
     pub fn forward(
         &self,
         kv: &mut KvStore,
+        data: &mut KvBlocks,
         batch: &[(SeqId, &[u32])],
     ) -> EngineResult<Vec<LastPosition>> {
         let hp = &self.weights.hp;
@@ -129,24 +137,26 @@ impl LlamaModel {
         let reservations: Vec<(SeqId, usize)> =
             batch.iter().map(|&(seq, t)| (seq, t.len())).collect();
         kv.reserve(&reservations)?;
-
-        let mut caches: Vec<SeqKv> = batch
-            .iter()
-            .map(|&(seq, _)| kv.take(seq).expect("reserved sequences exist"))
-            .collect();
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
-        let positions: Vec<usize> = segments
-            .iter()
-            .flat_map(|s| s.first_position..s.first_position + s.rows)
-            .collect();
+        let shape = StepShape {
+            positions: segments
+                .iter()
+                .flat_map(|s| s.first_position..s.first_position + s.rows)
+                .collect(),
+            tables: batch
+                .iter()
+                .map(|&(seq, _)| kv.table(seq).to_vec())
+                .collect(),
+            segments,
+        };
 
         let mut x = self.embed(&tokens);
         for (layer_idx, layer) in self.weights.layers.iter().enumerate() {
-            self.layer(layer_idx, layer, &mut x, &positions, &segments, &mut caches);
+            self.layer(layer_idx, layer, &mut x, &shape, data);
         }
-        for (&(seq, t), cache) in batch.iter().zip(caches) {
-            kv.put_back(seq, cache);
-            kv.advance(seq, t.len());
+        let segments = shape.segments;
+        for &(seq, t) in batch {
+            kv.advance(seq, t);
         }
 
         let mut last: Vec<f32> = Vec::with_capacity(segments.len() * hp.hidden);
@@ -179,11 +189,11 @@ impl LlamaModel {
         layer_idx: usize,
         w: &LayerWeights,
         x: &mut [f32],
-        positions: &[usize],
-        segments: &[Segment],
-        caches: &mut [SeqKv],
+        shape: &StepShape,
+        data: &mut KvBlocks,
     ) {
         let hp = &self.weights.hp;
+        let positions = &shape.positions;
         let rows = positions.len();
         let h = ops::rms_norm_rows(x, &w.attn_norm, hp.rms_eps);
         let [mut q, mut k, mut v] = QWeight::matmul_each([&w.wq, &w.wk, &w.wv], &h, rows);
@@ -200,14 +210,19 @@ impl LlamaModel {
         }
         self.rope(&mut q, positions);
         self.rope(&mut k, positions);
+        let (segments, tables) = (&shape.segments, &shape.tables);
 
         let kv_dim = self.kv_dim();
-        for (s, cache) in segments.iter().zip(caches.iter_mut()) {
-            let span = s.first_row * kv_dim..(s.first_row + s.rows) * kv_dim;
-            cache.keys[layer_idx].extend(k[span.clone()].iter().map(|&x| f16::from_f32(x)));
-            cache.values[layer_idx].extend(v[span].iter().map(|&x| f16::from_f32(x)));
+        for (s, table) in segments.iter().zip(tables) {
+            for i in 0..s.rows {
+                let (row, position) = (s.first_row + i, s.first_position + i);
+                let span = row * kv_dim..(row + 1) * kv_dim;
+                let block = table[position / BLOCK_TOKENS];
+                let slot = position % BLOCK_TOKENS;
+                data.write(block, layer_idx, slot, &k[span.clone()], &v[span]);
+            }
         }
-        let attn = self.attention(layer_idx, &q, segments, caches);
+        let attn = self.attention(layer_idx, &q, segments, tables, data);
         ops::add_in_place(x, &w.wo.matmul(&attn, rows));
 
         let h = ops::rms_norm_rows(x, &w.ffn_norm, hp.rms_eps);
@@ -243,15 +258,17 @@ impl LlamaModel {
         }
     }
 
-    /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`.
-    /// One task per (sequence, KV head) serves that KV head's whole query group, so each key
-    /// and value row is read once per group; per head the arithmetic is the same as alone.
+    /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`,
+    /// block by block of its table. One task per (sequence, KV head) serves that KV head's
+    /// whole query group, so each key and value row is read once per group; per head the
+    /// arithmetic is the same as alone.
     fn attention(
         &self,
         layer_idx: usize,
         q: &[f32],
         segments: &[Segment],
-        caches: &[SeqKv],
+        tables: &[Vec<BlockId>],
+        data: &KvBlocks,
     ) -> Vec<f32> {
         let hp = &self.weights.hp;
         let (hd, heads) = (hp.head_dim, hp.heads);
@@ -266,8 +283,7 @@ impl LlamaModel {
         let per_task: Vec<Vec<f32>> = parallel::map_indices(tasks.len(), |task| {
             let (s, kv_head) = tasks[task];
             let seg = &segments[s];
-            let keys = &caches[s].keys[layer_idx];
-            let values = &caches[s].values[layer_idx];
+            let table = &tables[s];
             let kv_off = kv_head * hd;
             let first_head = kv_head * group;
             let mut out = vec![0f32; seg.rows * group * hd];
@@ -278,10 +294,16 @@ impl LlamaModel {
                 for g in 0..group {
                     let start = row * q_dim + (first_head + g) * hd;
                     let query = &q[start..start + hd];
-                    ops::scaled_dots(query, keys, (kv_dim, kv_off), scale, scores);
+                    for (&block, part) in table.iter().zip(scores.chunks_mut(BLOCK_TOKENS)) {
+                        let keys = data.keys(block, layer_idx);
+                        ops::scaled_dots(query, keys, (kv_dim, kv_off), scale, part);
+                    }
                     ops::softmax_in_place(scores);
                     let head_out = &mut out[(i * group + g) * hd..(i * group + g + 1) * hd];
-                    ops::add_weighted_rows(scores, values, (kv_dim, kv_off), head_out);
+                    for (&block, part) in table.iter().zip(scores.chunks(BLOCK_TOKENS)) {
+                        let values = data.values(block, layer_idx);
+                        ops::add_weighted_rows(part, values, (kv_dim, kv_off), head_out);
+                    }
                 }
             }
             out

@@ -5,6 +5,7 @@ pub mod chat;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod kv;
+pub(crate) mod kv_blocks;
 pub(crate) mod llama;
 pub mod ops;
 pub(crate) mod parallel;
@@ -16,7 +17,7 @@ pub mod weights;
 
 use crate::config::{ModelConfig, ModelDevice};
 use crate::error::{EngineError, EngineResult};
-pub use kv::{KvUsage, SeqId};
+pub use kv::{BlockCopy, KvUsage, PrefixCounters, SeqId};
 use llama::LlamaModel;
 pub use sampling::{LogitStats, SamplingParams};
 use weights::{Hyperparams, ModelWeights};
@@ -76,14 +77,22 @@ pub trait StepExecutor: Send {
         self.kv().contains(seq)
     }
 
-    /// New sequence `dst` starting with a copy of `src`'s first `len` positions.
-    fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
-        self.kv_mut().fork_prefix(src, dst, len)
+    /// Copies positions between blocks of this backend's KV storage, as the block manager
+    /// asked; an error leaves the target block unusable (the caller drops it).
+    fn copy_block(&mut self, copy: BlockCopy) -> EngineResult<()>;
+
+    /// Starts sequence `seq` on the longest cached prefix of `tokens`; returns the positions
+    /// it holds.
+    fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
+        let (matched, copy) = self.kv_mut().attach_prefix(seq, tokens);
+        settle_copy(self, seq, matched, copy)
     }
 
-    /// Rolls a sequence back to its first `len` positions.
-    fn truncate(&mut self, seq: SeqId, len: usize) {
-        self.kv_mut().truncate(seq, len)
+    /// Rolls a sequence back to its first `len` positions (or fewer); returns the positions
+    /// it holds.
+    fn truncate(&mut self, seq: SeqId, len: usize) -> usize {
+        let (kept, copy) = self.kv_mut().truncate(seq, len);
+        settle_copy(self, seq, kept, copy)
     }
 
     /// Releases a sequence's KV; unknown ids are ignored (freeing is idempotent).
@@ -98,6 +107,24 @@ pub trait StepExecutor: Send {
 
     fn kv_usage(&self) -> KvUsage {
         self.kv().usage()
+    }
+}
+
+/// Carries out the block copy a KV change asked for; where it fails, `seq` gives up the
+/// copied block and keeps the positions before it (they are recomputed). Returns its length.
+fn settle_copy<E: StepExecutor + ?Sized>(
+    executor: &mut E,
+    seq: SeqId,
+    held: usize,
+    copy: Option<BlockCopy>,
+) -> usize {
+    match copy.map(|c| executor.copy_block(c)) {
+        Some(Err(e)) => {
+            tracing::warn!("KV block copy failed ({e}); its positions are recomputed");
+            let whole_blocks = held / kv::BLOCK_TOKENS * kv::BLOCK_TOKENS;
+            executor.kv_mut().truncate(seq, whole_blocks).0
+        }
+        _ => held,
     }
 }
 
@@ -120,6 +147,7 @@ pub struct Executor {
     name: String,
     model: LlamaModel,
     kv: kv::KvStore,
+    data: kv_blocks::KvBlocks,
     /// The model's own threads; `None` for one thread: steps run inline on the caller.
     pool: Option<rayon::ThreadPool>,
 }
@@ -164,11 +192,13 @@ impl Executor {
             .transpose()
             .map_err(|e| EngineError::InvalidStep(format!("thread pool: {e}")))?;
         let model = LlamaModel::new(weights);
-        let kv = kv::KvStore::new(model.layer_count(), model.kv_dim(), kv_tokens);
+        let kv = kv::KvStore::new(kv_tokens);
+        let data = kv_blocks::KvBlocks::new(model.layer_count(), model.kv_dim());
         Ok(Self {
             name: name.to_string(),
             model,
             kv,
+            data,
             pool,
         })
     }
@@ -187,10 +217,11 @@ impl Executor {
 fn step_on(
     model: &LlamaModel,
     kv: &mut kv::KvStore,
+    data: &mut kv_blocks::KvBlocks,
     work: &[SeqWork],
 ) -> EngineResult<Vec<StepOutput>> {
     let batch: Vec<(SeqId, &[u32])> = work.iter().map(|w| (w.seq, w.tokens.as_slice())).collect();
-    let last = model.forward(kv, &batch)?;
+    let last = model.forward(kv, data, &batch)?;
     let positions: Vec<usize> = work.iter().map(|w| kv.seq_len(w.seq)).collect();
     let sampled = parallel::map_indices(work.len(), |i| {
         let w = &work[i];
@@ -239,11 +270,16 @@ impl StepExecutor for Executor {
 
     /// Runs on this model's own thread pool, or inline with one thread.
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
-        let (model, kv) = (&self.model, &mut self.kv);
+        let (model, kv, data) = (&self.model, &mut self.kv, &mut self.data);
         match &self.pool {
-            Some(pool) => pool.install(|| step_on(model, kv, work)),
-            None => step_on(model, kv, work),
+            Some(pool) => pool.install(|| step_on(model, kv, data, work)),
+            None => step_on(model, kv, data, work),
         }
+    }
+
+    fn copy_block(&mut self, copy: BlockCopy) -> EngineResult<()> {
+        self.data.copy(copy);
+        Ok(())
     }
 
     fn kv(&self) -> &kv::KvStore {

@@ -4,7 +4,7 @@
 //! with probability 1 − θ. It lets the runtime's scheduling (actors, batchers, modes) be
 //! checked against the Markov model on any machine, with the same `StepExecutor` contract.
 
-use super::kv::{KvStore, SeqId};
+use super::kv::{BlockCopy, KvStore, SeqId};
 use super::{LogitStats, SeqWork, StepExecutor, StepOutput};
 use crate::error::EngineResult;
 use std::time::{Duration, Instant};
@@ -30,7 +30,7 @@ impl LatencyProfileExecutor {
             a_ms: latency_ms[0],
             c_ms: latency_ms[1],
             salt,
-            kv: KvStore::new(0, 0, kv_tokens),
+            kv: KvStore::new(kv_tokens),
         }
     }
 
@@ -91,7 +91,7 @@ impl StepExecutor for LatencyProfileExecutor {
         Ok(work
             .iter()
             .map(|w| {
-                self.kv.advance(w.seq, w.tokens.len());
+                self.kv.advance(w.seq, &w.tokens);
                 let position = self.kv.seq_len(w.seq);
                 let uncertainty = self.draw(w.seq, position, 1) as f32;
                 StepOutput {
@@ -117,6 +117,11 @@ impl StepExecutor for LatencyProfileExecutor {
 
     fn kv_mut(&mut self) -> &mut KvStore {
         &mut self.kv
+    }
+
+    /// No KV contents to copy: only the bookkeeping is simulated.
+    fn copy_block(&mut self, _copy: BlockCopy) -> EngineResult<()> {
+        Ok(())
     }
 }
 

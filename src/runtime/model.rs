@@ -4,7 +4,7 @@
 //! request that leaves stays **pending** here (KV kept) and resumes with a token append.
 
 use super::batcher::BatcherActor;
-use super::core::{Effect, ModelScheduler};
+use super::core::{Effect, ModelScheduler, StepPlan};
 use super::live::LiveRequests;
 use super::messages::{
     Admit, Committed, Failed, Finished, FreeRequest, ModelIdle, Release, Request,
@@ -49,6 +49,8 @@ pub(crate) struct ModelActorParts {
     pub global_step_lock: Option<Arc<Mutex<()>>>,
     pub fault_every_steps: u64,
     pub model_names: Arc<[String]>,
+    /// Most tokens one step appends (`None`: unlimited).
+    pub step_tokens: Option<usize>,
 }
 
 impl ModelActor {
@@ -56,7 +58,13 @@ impl ModelActor {
         let name = parts.executor.name().to_string();
         Self {
             idx: parts.idx,
-            scheduler: ModelScheduler::new(parts.idx, parts.peers.len(), &name, parts.mode),
+            scheduler: ModelScheduler::new(
+                parts.idx,
+                parts.peers.len(),
+                &name,
+                parts.mode,
+                parts.step_tokens,
+            ),
             name,
             model_names: parts.model_names,
             batcher: parts.peers[parts.idx].clone(),
@@ -73,7 +81,8 @@ impl ModelActor {
     /// Publishes this model's KV usage and scheduler state.
     fn publish_usage(&self) {
         self.recorder.usage(
-            self.executor.kv_usage().used_tokens,
+            self.executor.kv_usage(),
+            self.executor.kv().prefix_counters(),
             self.scheduler.pending(),
             self.scheduler.counters(),
         );
@@ -137,15 +146,15 @@ impl ModelActor {
         let live = &self.live;
         self.scheduler
             .drop_ended(&mut self.executor, |rid| live.contains(rid));
-        let evicted = self.scheduler.make_room(&mut self.executor);
-        self.carry_out(evicted);
-        if self.scheduler.resident() == 0 {
+        let (plan, failed) = self.scheduler.schedule(&mut self.executor);
+        self.carry_out(failed);
+        if plan.is_empty() {
             self.report_idle();
             return;
         }
-        let work = self.scheduler.schedule();
-        let tokens: usize = work.iter().map(|w| w.tokens.len()).sum();
-        let span = tracing::debug_span!("step", model = %self.name, batch = work.len(), tokens);
+        let tokens = plan.tokens();
+        let span =
+            tracing::debug_span!("step", model = %self.name, batch = plan.work.len(), tokens);
         let _entered = span.enter();
         self.steps_run += 1;
         let inject_fault =
@@ -160,7 +169,7 @@ impl ModelActor {
             if inject_fault {
                 panic!("injected fault");
             }
-            executor.step(&work)
+            executor.step(&plan.work)
         }));
         let end = Instant::now();
         drop(guard);
@@ -192,22 +201,23 @@ impl ModelActor {
                     StepInterval {
                         start,
                         end,
-                        batch: work.len(),
+                        batch: plan.work.len(),
                     },
                     tokens,
                 );
-                self.apply(&outputs);
+                self.apply(&plan, &outputs);
                 self.report_idle();
             }
         }
     }
 
     /// Routes each resident's step through its policy and applies the answers.
-    fn apply(&mut self, outputs: &[StepOutput]) {
-        let routes = self.scheduler.decide(outputs);
+    fn apply(&mut self, plan: &StepPlan, outputs: &[StepOutput]) {
+        let routes = self.scheduler.decide(plan, outputs);
         let candidates: Vec<u32> = outputs.iter().map(|o| o.candidate).collect();
         let (effects, transitions) = self.scheduler.update_from_output(
             &mut self.executor,
+            plan,
             &candidates,
             &routes,
             Instant::now(),

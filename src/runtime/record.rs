@@ -2,6 +2,7 @@
 //! plain-data record the runtime's typed snapshot reads and the Prometheus facade alike.
 
 use super::core::{ReleaseReason, SchedulerCounters};
+use crate::engine::{KvUsage, PrefixCounters};
 use crate::telemetry::{BatcherMetrics, ModelMetrics};
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -54,14 +55,21 @@ pub struct ModelSnapshot {
     pub rows_stepped: u64,
     /// Tokens fed through the forward pass (prompt, catch-up and decode).
     pub tokens_processed: u64,
-    /// KV sequences created (a new request, or every return in `standard` mode).
+    /// KV sequences created (a new request, a return in `standard` mode, a re-prefill).
     pub kv_allocations: u64,
-    /// Prefix-cache lookups (`standard` mode returns).
-    pub prefix_lookups: u64,
-    /// Pending requests whose KV was taken for others (they re-prefill on return).
+    /// Requests whose KV was taken for others (they re-prefill, from the prefix cache
+    /// where their blocks survive).
     pub preemptions: u64,
+    /// Rows that appended a chunk of their unseen tokens (the step token budget).
+    pub chunked_rows: u64,
+    /// Row-steps a request waited for another row computing the same prefix.
+    pub prefix_waits: u64,
+    pub prefix_cache: PrefixCounters,
     pub restarts: u64,
+    /// KV blocks referenced by requests, in tokens.
     pub kv_tokens_used: usize,
+    /// KV blocks only the prefix cache holds (evictable), in tokens.
+    pub kv_tokens_cached: usize,
     /// Requests that left this model and keep their KV here.
     pub pending: usize,
     /// Arrivals held by this model's batcher.
@@ -181,14 +189,23 @@ impl ModelRecorder {
     }
 
     /// The model's KV in use and its scheduler's state after a change.
-    pub fn usage(&self, kv_tokens_used: usize, pending: usize, counters: SchedulerCounters) {
-        self.model_metrics.usage(kv_tokens_used, pending);
+    pub fn usage(
+        &self,
+        kv: KvUsage,
+        prefix: PrefixCounters,
+        pending: usize,
+        counters: SchedulerCounters,
+    ) {
+        self.model_metrics.usage(&kv, &prefix, pending);
         self.with(|r| {
-            r.figures.kv_tokens_used = kv_tokens_used;
+            r.figures.kv_tokens_used = kv.used_tokens;
+            r.figures.kv_tokens_cached = kv.cached_tokens;
+            r.figures.prefix_cache = prefix;
             r.figures.pending = pending;
             r.figures.kv_allocations = counters.kv_allocations;
-            r.figures.prefix_lookups = counters.prefix_lookups;
             r.figures.preemptions = counters.preemptions;
+            r.figures.chunked_rows = counters.chunked_rows;
+            r.figures.prefix_waits = counters.prefix_waits;
         });
     }
 

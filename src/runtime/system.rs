@@ -11,7 +11,7 @@ use super::model::{ModelActor, ModelActorParts};
 use super::record::{ModelRecorder, RuntimeSnapshot};
 use super::request::{RequestActor, RequestEvent};
 use super::tuner::{TunerActor, TunerSettings};
-use crate::config::{Config, ExecutionMode, PolicyUpdate};
+use crate::config::{Config, ExecutionMode, ModelConfig, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{load_executor, SamplingParams, StepExecutor};
@@ -251,6 +251,17 @@ impl Runtime {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let mut executors = executors;
+        for executor in &mut executors {
+            executor
+                .kv_mut()
+                .set_prefix_sharing(config.runtime.prefix_cache);
+        }
+        let step_tokens = config
+            .models
+            .iter()
+            .map(ModelConfig::step_tokens)
+            .collect::<Result<Vec<_>, _>>()?;
         let vocab = executors[0].vocab_size();
         if let Some(other) = executors.iter().find(|e| e.vocab_size() != vocab) {
             return Err(RuntimeError::InvalidRequest(format!(
@@ -335,6 +346,7 @@ impl Runtime {
                 global_step_lock: global_step_lock.clone(),
                 fault_every_steps: model_config.fault_every_steps,
                 model_names: model_names.clone(),
+                step_tokens: step_tokens[idx],
             };
             let model =
                 Supervisor::start_in_arbiter(&arbiter.handle(), move |_| ModelActor::new(parts));

@@ -387,6 +387,7 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         batch_threshold: 1,
         fault_every_steps: 0,
         step_profile: None,
+        step_token_budget: None,
     }
 }
 

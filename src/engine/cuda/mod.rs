@@ -9,7 +9,7 @@ mod launch;
 mod matrix;
 mod paged_kv;
 
-use super::kv::{KvStore, SeqId};
+use super::kv::{BlockCopy, KvStore, SeqId};
 use super::llama::{embed_tokens, embedding_row, inverse_frequencies, plan_step, Segment};
 use super::sampling::{self, LogitStats};
 use super::weights::{self, Hyperparams, LayerWeights, ModelWeights};
@@ -156,7 +156,8 @@ impl CudaExecutor {
             true => Some(CudaBlas::new(gpu.stream.clone()).map_err(gpu_error)?),
             false => None,
         };
-        let paged = PagedKv::new(&gpu, layers.len(), kv_dim, kv_tokens)?;
+        let kv = KvStore::new(kv_tokens);
+        let paged = PagedKv::new(&gpu, layers.len(), kv_dim, kv.capacity_blocks())?;
         let model = DeviceModel {
             inv_freq: gpu.upload(&inverse_frequencies(&weights))?,
             final_norm: gpu.upload(&weights.final_norm)?,
@@ -169,7 +170,7 @@ impl CudaExecutor {
         };
         Ok(Self {
             name: name.to_string(),
-            kv: KvStore::new(0, 0, kv_tokens),
+            kv,
             paged,
             model,
         })
@@ -181,10 +182,11 @@ impl CudaExecutor {
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (&(seq, _), s) in batch.iter().zip(segments) {
             let table_start = block_table.len() as i32;
-            block_table.extend_from_slice(self.paged.table(seq));
+            let table = self.kv.table(seq);
+            block_table.extend(table.iter().map(|&b| b as i32));
             for position in s.first_position..s.first_position + s.rows {
                 positions.push(position as i32);
-                slots.push(self.paged.slot(seq, position));
+                slots.push(PagedKv::slot(table, position));
                 row_tables.push(table_start);
             }
         }
@@ -383,9 +385,6 @@ impl StepExecutor for CudaExecutor {
         let segments = plan_step(&self.model.hp, &self.kv, &batch)?;
         let reservations: Vec<(SeqId, usize)> = batch.iter().map(|&(s, t)| (s, t.len())).collect();
         self.kv.reserve(&reservations)?;
-        for (&(seq, _), s) in batch.iter().zip(&segments) {
-            self.paged.ensure(seq, s.first_position + s.rows)?;
-        }
         let layout = self.layout(&batch, &segments)?;
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
         let top_k = work.iter().map(|w| w.needs.top_k).max().unwrap_or(0);
@@ -393,7 +392,7 @@ impl StepExecutor for CudaExecutor {
             .model
             .forward(&mut self.paged, &tokens, &segments, &layout, top_k)?;
         for &(seq, t) in &batch {
-            self.kv.advance(seq, t.len());
+            self.kv.advance(seq, t);
         }
         let (vocab, hidden) = (self.model.hp.vocab, self.model.hp.hidden);
         Ok(work
@@ -437,22 +436,7 @@ impl StepExecutor for CudaExecutor {
         &mut self.kv
     }
 
-    fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
-        self.kv.fork_prefix(src, dst, len)?;
-        let copied = self.paged.fork_prefix(&self.model.gpu, src, dst, len);
-        if copied.is_err() {
-            self.free(dst);
-        }
-        copied
-    }
-
-    fn free(&mut self, seq: SeqId) {
-        self.kv.free(seq);
-        self.paged.release(seq);
-    }
-
-    fn clear_kv(&mut self) {
-        self.kv.clear();
-        self.paged.clear();
+    fn copy_block(&mut self, copy: BlockCopy) -> EngineResult<()> {
+        self.paged.copy(&self.model.gpu, copy)
     }
 }

@@ -12,4 +12,4 @@ pub use gate::ReleaseReason;
 pub(crate) use gate::{BatchGate, GateDecision};
 pub use request::{FailureKind, FinishReason, RequestId, RoutingStats};
 pub(crate) use request::{InFlight, RequestParams};
-pub(crate) use scheduler::{Effect, ModelScheduler, SchedulerCounters};
+pub(crate) use scheduler::{Effect, ModelScheduler, SchedulerCounters, StepPlan};

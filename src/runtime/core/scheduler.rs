@@ -1,13 +1,16 @@
 //! `ModelScheduler`: one model's residency decisions. It owns the requests resident here
-//! (stepping), pending here (left for another model, KV kept) and, in `standard` mode, the
-//! cached prefixes requests left behind; it maps each request to its KV sequence. Its
-//! methods change KV only through `KvOps` and return the effects on clients and other
-//! models for the actor to carry out, in order.
+//! (stepping) and pending here (left for another model, KV kept), and maps each request to
+//! its KV sequence. Each step it plans which rows run within the model's token budget and
+//! KV: long prompts and catch-ups go in chunks beside the decode rows (Sarathi-Serve), a
+//! request whose prefix another row is computing waits a step to share it, and under KV
+//! pressure pending requests and then the newest residents give up their KV before anyone
+//! fails. Its methods change KV only through `KvOps` and return the effects on clients and
+//! other models for the actor to carry out, in order.
 
 use super::request::{FailureKind, FinishReason, InFlight, RequestId, RoutingStats};
 use crate::config::ExecutionMode;
+use crate::engine::kv::{KvStore, BLOCK_TOKENS};
 use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput};
-use crate::error::EngineResult;
 use crate::policy::{ModelIdx, Route, SharedPolicy, StepView};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -19,12 +22,44 @@ pub(crate) trait KvOps {
     fn seq_len(&self, seq: SeqId) -> usize;
     /// Capacity appending `tokens` to `seq` would take.
     fn tokens_needed(&self, seq: SeqId, tokens: usize) -> usize;
+    /// Positions `seq` can append without new blocks.
+    fn slack(&self, seq: SeqId) -> usize;
+    /// Capacity free for reservations (cached prefixes count: they are evictable).
     fn free_tokens(&self) -> usize;
     fn capacity_tokens(&self) -> usize;
-    /// Allocates `dst` holding a copy of the first `len` positions of `src`.
-    fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()>;
-    fn truncate(&mut self, seq: SeqId, len: usize);
+    /// Starts `seq` on the longest cached prefix of `tokens`; returns the positions held.
+    fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> usize;
+    /// Rolls `seq` back to at most `len` positions; returns the positions held.
+    fn truncate(&mut self, seq: SeqId, len: usize) -> usize;
     fn free(&mut self, seq: SeqId);
+}
+
+/// The block manager alone (the scheduler's tests; a latency-profile model has nothing else).
+impl KvOps for KvStore {
+    fn seq_len(&self, seq: SeqId) -> usize {
+        KvStore::seq_len(self, seq)
+    }
+    fn tokens_needed(&self, seq: SeqId, tokens: usize) -> usize {
+        KvStore::tokens_needed(self, seq, tokens)
+    }
+    fn slack(&self, seq: SeqId) -> usize {
+        self.table(seq).len() * BLOCK_TOKENS - KvStore::seq_len(self, seq)
+    }
+    fn free_tokens(&self) -> usize {
+        KvStore::free_tokens(self)
+    }
+    fn capacity_tokens(&self) -> usize {
+        self.usage().capacity_tokens
+    }
+    fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
+        KvStore::attach_prefix(self, seq, tokens).0
+    }
+    fn truncate(&mut self, seq: SeqId, len: usize) -> usize {
+        KvStore::truncate(self, seq, len).0
+    }
+    fn free(&mut self, seq: SeqId) {
+        KvStore::free(self, seq)
+    }
 }
 
 impl KvOps for Box<dyn StepExecutor> {
@@ -34,16 +69,19 @@ impl KvOps for Box<dyn StepExecutor> {
     fn tokens_needed(&self, seq: SeqId, tokens: usize) -> usize {
         self.kv().tokens_needed(seq, tokens)
     }
+    fn slack(&self, seq: SeqId) -> usize {
+        KvOps::slack(self.kv(), seq)
+    }
     fn free_tokens(&self) -> usize {
         self.kv().free_tokens()
     }
     fn capacity_tokens(&self) -> usize {
         self.kv().usage().capacity_tokens
     }
-    fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
-        StepExecutor::fork_prefix(self.as_mut(), src, dst, len)
+    fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
+        StepExecutor::attach_prefix(self.as_mut(), seq, tokens)
     }
-    fn truncate(&mut self, seq: SeqId, len: usize) {
+    fn truncate(&mut self, seq: SeqId, len: usize) -> usize {
         StepExecutor::truncate(self.as_mut(), seq, len)
     }
     fn free(&mut self, seq: SeqId) {
@@ -79,19 +117,51 @@ pub(crate) enum Effect<C> {
 /// Counts of the scheduler's own decisions, for the runtime's snapshot.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct SchedulerCounters {
-    /// KV sequences created (a new request, or every return in `standard` mode).
+    /// KV sequences created (a new request, a return in `standard` mode, a re-prefill).
     pub kv_allocations: u64,
-    /// Prefix-cache lookups (`standard` mode returns).
-    pub prefix_lookups: u64,
-    /// Pending requests whose KV was taken for others (they re-prefill on return).
+    /// Requests whose KV was taken for others (they re-prefill, from the prefix cache where
+    /// their blocks survive, when they run again).
     pub preemptions: u64,
+    /// Rows that ran part of their unseen tokens (a chunk).
+    pub chunked_rows: u64,
+    /// Row-steps a request waited for another row computing the same prefix.
+    pub prefix_waits: u64,
 }
 
-/// A `standard`-mode cache entry: the KV a request left behind, keyed by its tokens.
-struct CachedPrefix {
-    rid: RequestId,
-    seq: SeqId,
-    tokens: Vec<u32>,
+/// One row of a step: a resident and how many of its unseen tokens it appends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PlannedRow {
+    resident: usize,
+    tokens: usize,
+    /// Whether this appends every unseen token (so the step yields its next candidate).
+    completes: bool,
+}
+
+/// What a step did for one resident.
+#[derive(Clone, Copy)]
+enum RowOutcome {
+    NotRun,
+    /// Appended this many of its unseen tokens, not all.
+    Chunk(usize),
+    /// Appended every unseen token: its candidate and the policy's route.
+    Completed(u32, Route),
+}
+
+/// A step's plan: the executor runs `work`; `update_from_output` takes the plan back.
+pub(crate) struct StepPlan {
+    pub work: Vec<SeqWork>,
+    rows: Vec<PlannedRow>,
+}
+
+impl StepPlan {
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Tokens the step appends.
+    pub fn tokens(&self) -> usize {
+        self.rows.iter().map(|r| r.tokens).sum()
+    }
 }
 
 pub(crate) struct ModelScheduler<C> {
@@ -100,26 +170,36 @@ pub(crate) struct ModelScheduler<C> {
     models: usize,
     name: String,
     mode: ExecutionMode,
+    /// Most tokens one step appends (`None`: unlimited).
+    step_tokens: Option<usize>,
     resident: Vec<InFlight<C>>,
     /// The KV sequence of each request this model holds (resident or pending).
     seqs: HashMap<RequestId, SeqId>,
     pending: HashSet<RequestId>,
-    prefix_cache: Vec<CachedPrefix>,
+    /// Residents that waited for a prefix another row computed: they look it up again.
+    reattach: HashSet<RequestId>,
     next_seq: u64,
     counters: SchedulerCounters,
 }
 
 impl<C: Clone> ModelScheduler<C> {
-    pub fn new(model: ModelIdx, models: usize, name: &str, mode: ExecutionMode) -> Self {
+    pub fn new(
+        model: ModelIdx,
+        models: usize,
+        name: &str,
+        mode: ExecutionMode,
+        step_tokens: Option<usize>,
+    ) -> Self {
         Self {
             model,
             models,
             name: name.to_string(),
             mode,
+            step_tokens,
             resident: Vec::new(),
             seqs: HashMap::new(),
             pending: HashSet::new(),
-            prefix_cache: Vec::new(),
+            reattach: HashSet::new(),
             next_seq: 0,
             counters: SchedulerCounters::default(),
         }
@@ -143,29 +223,29 @@ impl<C: Clone> ModelScheduler<C> {
         self.resident.clear();
         self.seqs.clear();
         self.pending.clear();
-        self.prefix_cache.clear();
+        self.reattach.clear();
     }
 
-    fn new_seq(&mut self, rid: RequestId) -> SeqId {
+    /// A fresh sequence for `rid`, started on the longest cached prefix of its committed
+    /// tokens but the last (whose logits the next step must compute). Returns its length.
+    fn start_seq(&mut self, kv: &mut impl KvOps, rid: RequestId, tokens: &[u32]) -> usize {
+        if let Some(old) = self.seqs.remove(&rid) {
+            kv.free(old);
+        }
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
         self.seqs.insert(rid, seq);
         self.counters.kv_allocations += 1;
-        seq
+        kv.attach_prefix(seq, &tokens[..tokens.len() - 1])
     }
 
-    /// Frees everything this model holds for `rid`: its sequence and cached prefixes.
+    /// Frees everything this model holds for `rid`.
     fn release_seq(&mut self, kv: &mut impl KvOps, rid: RequestId) {
         if let Some(seq) = self.seqs.remove(&rid) {
             kv.free(seq);
         }
         self.pending.remove(&rid);
-        self.prefix_cache.retain(|c| {
-            if c.rid == rid {
-                kv.free(c.seq);
-            }
-            c.rid != rid
-        });
+        self.reattach.remove(&rid);
     }
 
     /// A request ended (finished, cancelled, failed elsewhere): drop it and all its KV here.
@@ -187,121 +267,26 @@ impl<C: Clone> ModelScheduler<C> {
         }
         arrival.state.current = self.model;
         self.pending.remove(&rid);
-        let mut seen = match self.mode {
-            ExecutionMode::Standard => self.prefix_lookup(kv, rid, &arrival.state.tokens),
-            _ => self.resume(kv, rid, arrival.state.seen[self.model]),
+        let tokens = &arrival.state.tokens;
+        let mut seen = match self.seqs.get(&rid) {
+            // async/tokenrouter/lockstep: the request's KV is still here; append from `seen`.
+            Some(&seq)
+                if self.mode != ExecutionMode::Standard
+                    && kv.seq_len(seq) == arrival.state.seen[self.model] =>
+            {
+                kv.seq_len(seq)
+            }
+            // A new request, a return in `standard` mode (a new request there), or KV lost
+            // meanwhile (preempted, the model restarted): the longest cached prefix.
+            _ => self.start_seq(kv, rid, tokens),
         };
-        let committed = arrival.state.tokens.len();
+        let committed = tokens.len();
         if seen >= committed {
             // Nothing unseen (its own candidate here was rejected): recompute the last position.
-            seen = committed - 1;
-            kv.truncate(self.seqs[&rid], seen);
+            seen = kv.truncate(self.seqs[&rid], committed - 1);
         }
         arrival.state.seen[self.model] = seen;
         self.resident.push(arrival);
-    }
-
-    /// `standard`: a return is a new request: longest cached prefix, fresh allocation, copy.
-    fn prefix_lookup(&mut self, kv: &mut impl KvOps, rid: RequestId, tokens: &[u32]) -> usize {
-        self.counters.prefix_lookups += 1;
-        let limit = tokens.len() - 1;
-        let best = self
-            .prefix_cache
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let common = c
-                    .tokens
-                    .iter()
-                    .zip(tokens)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                (i, common.min(limit))
-            })
-            .max_by_key(|&(_, common)| common);
-        let seq = self.new_seq(rid);
-        let Some((i, matched)) = best.filter(|&(_, m)| m > 0) else {
-            return 0;
-        };
-        let source = self.prefix_cache[i].seq;
-        let copied = kv.fork_prefix(source, seq, matched).is_ok();
-        // The request's own leftover is superseded by the new copy; another request's entry
-        // stays cached for its owner.
-        if self.prefix_cache[i].rid == rid {
-            self.prefix_cache.swap_remove(i);
-            kv.free(source);
-        }
-        if copied {
-            matched
-        } else {
-            0
-        }
-    }
-
-    /// `async`/`tokenrouter`/`lockstep`: the request's KV is still here; append from `seen`.
-    /// Where it is gone (preempted, or the model restarted) it re-prefills from its
-    /// committed tokens.
-    fn resume(&mut self, kv: &mut impl KvOps, rid: RequestId, seen: usize) -> usize {
-        match self.seqs.get(&rid).copied() {
-            Some(seq) if kv.seq_len(seq) == seen => seen,
-            Some(seq) => {
-                kv.free(seq);
-                self.new_seq(rid);
-                0
-            }
-            None => {
-                self.new_seq(rid);
-                0
-            }
-        }
-    }
-
-    /// KV this step's appends need beyond what is free.
-    fn kv_shortfall(&self, kv: &impl KvOps) -> usize {
-        let needed: usize = self
-            .resident
-            .iter()
-            .map(|r| kv.tokens_needed(self.seqs[&r.rid()], r.state.unseen(self.model).len()))
-            .sum();
-        needed.saturating_sub(kv.free_tokens())
-    }
-
-    /// Makes the next step fit the KV budget. Cached prefixes and pending requests give up
-    /// their KV first (a pending request re-prefills when it returns: preempted, then
-    /// resumed); only if the resident batch alone does not fit do the newest residents fail,
-    /// cleanly and retryably, so the others keep going.
-    pub fn make_room(&mut self, kv: &mut impl KvOps) -> Vec<Effect<C>> {
-        let mut effects = Vec::new();
-        if self.kv_shortfall(kv) == 0 {
-            return effects;
-        }
-        for cached in std::mem::take(&mut self.prefix_cache) {
-            kv.free(cached.seq);
-        }
-        let mut pending: Vec<RequestId> = self.pending.iter().copied().collect();
-        // In submission order (ids grow), so the choice is deterministic.
-        pending.sort_unstable();
-        for rid in pending {
-            if self.kv_shortfall(kv) == 0 {
-                return effects;
-            }
-            self.release_seq(kv, rid);
-            self.counters.preemptions += 1;
-        }
-        while self.kv_shortfall(kv) > 0 {
-            let Some(r) = self.resident.pop() else { break };
-            let capacity = kv.capacity_tokens();
-            self.release_seq(kv, r.rid());
-            effects.push(Effect::Fail {
-                client: r.client,
-                message: format!(
-                    "model `{}`: KV cache full ({capacity} tokens); retry later",
-                    self.name
-                ),
-                kind: FailureKind::Capacity,
-            });
-        }
-        effects
     }
 
     /// Drops residents whose request ended while they waited, freeing their KV.
@@ -317,18 +302,144 @@ impl<C: Clone> ModelScheduler<C> {
         }
     }
 
-    /// The next step's work: every resident request appends the tokens this model has not
-    /// seen (a prompt, a catch-up after a handoff, or the last token).
-    pub fn schedule(&self) -> Vec<SeqWork> {
-        self.resident
+    /// The next step: which residents run and how many of their unseen tokens each appends
+    /// (decode rows first, then prompts and catch-ups in arrival order, within the token
+    /// budget and the KV). Effects are failures of requests the KV budget cannot hold alone.
+    pub fn schedule(&mut self, kv: &mut impl KvOps) -> (StepPlan, Vec<Effect<C>>) {
+        for rid in std::mem::take(&mut self.reattach) {
+            if let Some(r) = self.resident.iter().position(|r| r.rid() == rid) {
+                let tokens = self.resident[r].state.tokens.clone();
+                let seen = self.start_seq(kv, rid, &tokens);
+                self.resident[r].state.seen[self.model] = seen;
+            }
+        }
+        let mut effects = Vec::new();
+        loop {
+            let rows = self.plan_rows(kv);
+            if !rows.is_empty() || self.resident.is_empty() {
+                return (self.plan(rows), effects);
+            }
+            // Nothing fits: every free block is held by residents that cannot all go on.
+            let holders: Vec<usize> = (0..self.resident.len())
+                .filter(|&i| kv.seq_len(self.seqs[&self.resident[i].rid()]) > 0)
+                .collect();
+            match holders[..] {
+                [.., newest] if holders.len() > 1 => {
+                    let r = &mut self.resident[newest];
+                    r.state.seen[self.model] = 0;
+                    let rid = r.rid();
+                    kv.free(self.seqs[&rid]);
+                    self.reattach.insert(rid);
+                    self.counters.preemptions += 1;
+                }
+                _ => {
+                    // One request holds all the KV a step could use and still needs more.
+                    let victim = holders.first().copied().unwrap_or(self.resident.len() - 1);
+                    let r = self.resident.remove(victim);
+                    let capacity = kv.capacity_tokens();
+                    self.release_seq(kv, r.rid());
+                    effects.push(Effect::Fail {
+                        client: r.client,
+                        message: format!(
+                            "model `{}`: the request needs more KV than its budget of \
+                             {capacity} tokens",
+                            self.name
+                        ),
+                        kind: FailureKind::Capacity,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Chooses the rows of the next step (see `schedule`), preempting pending requests where
+    /// the KV they hold is needed.
+    fn plan_rows(&mut self, kv: &mut impl KvOps) -> Vec<PlannedRow> {
+        let mut order: Vec<usize> = (0..self.resident.len()).collect();
+        order.sort_by_key(|&i| self.resident[i].state.unseen(self.model).len() > 1);
+        let mut budget = self.step_tokens.unwrap_or(usize::MAX);
+        let mut reserved = 0;
+        let mut rows: Vec<PlannedRow> = Vec::new();
+        for i in order {
+            if budget == 0 {
+                break;
+            }
+            let r = &self.resident[i];
+            let (rid, unseen) = (r.rid(), r.state.unseen(self.model).len());
+            if self.reattach.contains(&rid) {
+                // Preempted in this round: it starts over next step.
+                continue;
+            }
+            let mut tokens = unseen.min(budget);
+            if tokens > 1 && self.computed_by_another_row(i, &rows) {
+                self.reattach.insert(rid);
+                self.counters.prefix_waits += 1;
+                continue;
+            }
+            let seq = self.seqs[&rid];
+            let needed = kv.tokens_needed(seq, tokens);
+            while needed > kv.free_tokens() - reserved && self.preempt_oldest_pending(kv) {}
+            let free = kv.free_tokens() - reserved;
+            if needed > free {
+                tokens = tokens.min(kv.slack(seq) + free);
+            }
+            if tokens == 0 {
+                continue;
+            }
+            reserved += kv.tokens_needed(seq, tokens);
+            budget -= tokens;
+            rows.push(PlannedRow {
+                resident: i,
+                tokens,
+                completes: tokens == unseen,
+            });
+        }
+        rows.sort_by_key(|row| row.resident);
+        rows
+    }
+
+    /// Whether resident `i` would prefill a block of tokens that a row already planned is
+    /// computing at the same positions: it then waits a step and takes them from the cache.
+    fn computed_by_another_row(&self, i: usize, rows: &[PlannedRow]) -> bool {
+        let state = &self.resident[i].state;
+        let from = state.seen[self.model];
+        let until = (from + BLOCK_TOKENS).min(state.tokens.len());
+        rows.iter().any(|row| {
+            let other = &self.resident[row.resident].state;
+            let other_from = other.seen[self.model];
+            other_from <= from
+                && other_from + row.tokens >= until
+                && other.tokens.get(..until) == Some(&state.tokens[..until])
+        })
+    }
+
+    /// Takes the KV of the pending request that left first. False when none is pending.
+    fn preempt_oldest_pending(&mut self, kv: &mut impl KvOps) -> bool {
+        // In submission order (ids grow), so the choice is deterministic.
+        let Some(&oldest) = self.pending.iter().min() else {
+            return false;
+        };
+        self.release_seq(kv, oldest);
+        self.counters.preemptions += 1;
+        true
+    }
+
+    fn plan(&mut self, rows: Vec<PlannedRow>) -> StepPlan {
+        let work = rows
             .iter()
-            .map(|r| SeqWork {
-                seq: self.seqs[&r.rid()],
-                tokens: r.state.unseen(self.model).to_vec(),
-                sampling: r.params.sampling,
-                needs: r.params.policy.needs(),
+            .map(|row| {
+                let r = &self.resident[row.resident];
+                let from = r.state.seen[self.model];
+                SeqWork {
+                    seq: self.seqs[&r.rid()],
+                    tokens: r.state.tokens[from..from + row.tokens].to_vec(),
+                    sampling: r.params.sampling,
+                    needs: r.params.policy.needs(),
+                }
             })
-            .collect()
+            .collect();
+        self.counters.chunked_rows += rows.iter().filter(|row| !row.completes).count() as u64;
+        StepPlan { work, rows }
     }
 
     /// Fails every resident request (an engine error or a crash mid-step).
@@ -345,53 +456,82 @@ impl<C: Clone> ModelScheduler<C> {
         effects
     }
 
-    /// Asks each resident's policy about its step (one `route_batch` per policy, over the
-    /// batch). `outputs` are in `schedule` order.
-    pub fn decide(&self, outputs: &[StepOutput]) -> Vec<Route> {
-        let mut routes = vec![Route::Stay; self.resident.len()];
+    /// Asks each policy about its requests' completed rows (one `route_batch` per policy,
+    /// over the batch). `outputs` are in plan order; rows that ran a chunk get `None`.
+    pub fn decide(&self, plan: &StepPlan, outputs: &[StepOutput]) -> Vec<Option<Route>> {
+        let mut routes = vec![None; plan.rows.len()];
         let mut groups: Vec<(&SharedPolicy, Vec<usize>)> = Vec::new();
-        for (i, r) in self.resident.iter().enumerate() {
-            let policy = &r.params.policy;
+        for (k, row) in plan
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, row)| row.completes)
+        {
+            let policy = &self.resident[row.resident].params.policy;
             match groups.iter_mut().find(|(p, _)| Arc::ptr_eq(p, policy)) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((policy, vec![i])),
+                Some((_, members)) => members.push(k),
+                None => groups.push((policy, vec![k])),
             }
         }
         for (policy, members) in groups {
-            let states: Vec<_> = members.iter().map(|&i| &self.resident[i].state).collect();
+            let states: Vec<_> = members
+                .iter()
+                .map(|&k| &self.resident[plan.rows[k].resident].state)
+                .collect();
             let views: Vec<StepView> = members
                 .iter()
-                .map(|&i| StepView {
+                .map(|&k| StepView {
                     model: self.model,
-                    candidate: outputs[i].candidate,
-                    stats: &outputs[i].stats,
-                    logits: &outputs[i].logits,
-                    hidden: outputs[i].hidden.as_deref(),
-                    embedding: outputs[i].candidate_embedding.as_deref(),
+                    candidate: outputs[k].candidate,
+                    stats: &outputs[k].stats,
+                    logits: &outputs[k].logits,
+                    hidden: outputs[k].hidden.as_deref(),
+                    embedding: outputs[k].candidate_embedding.as_deref(),
                 })
                 .collect();
-            for (&i, route) in members.iter().zip(policy.route_batch(&states, &views)) {
-                routes[i] = route;
+            for (&k, route) in members.iter().zip(policy.route_batch(&states, &views)) {
+                routes[k] = Some(route);
             }
         }
         routes
     }
 
-    /// Applies a finished step: commits, finishes and hands off per `routes` (in `schedule`
-    /// order). Leaving requests stay pending here with their KV (or, in `standard` mode,
-    /// leave it as a cached prefix). Returns the effects and, per resident, the model that
-    /// steps it next and whether its candidate was committed (the routing counts).
+    /// Applies a finished step: chunks advance; completed rows commit, finish and hand off
+    /// per `routes` (plan order, as from `decide`). Leaving requests stay pending here with
+    /// their KV (in `standard` mode they free it: their blocks stay in the prefix cache).
+    /// Returns the effects and, per completed row, the model that steps it next and whether
+    /// its candidate was committed (the routing counts).
     pub fn update_from_output(
         &mut self,
         kv: &mut impl KvOps,
+        plan: &StepPlan,
         candidates: &[u32],
-        routes: &[Route],
+        routes: &[Option<Route>],
         now: Instant,
     ) -> (Vec<Effect<C>>, Vec<(ModelIdx, bool)>) {
         let mut effects = Vec::new();
         let mut transitions = Vec::new();
+        let mut outcome = vec![RowOutcome::NotRun; self.resident.len()];
+        for ((row, &candidate), route) in plan.rows.iter().zip(candidates).zip(routes) {
+            outcome[row.resident] = match route {
+                Some(route) => RowOutcome::Completed(candidate, *route),
+                None => RowOutcome::Chunk(row.tokens),
+            };
+        }
         let residents = std::mem::take(&mut self.resident);
-        for ((mut r, &candidate), &route) in residents.into_iter().zip(candidates).zip(routes) {
+        for (mut r, outcome) in residents.into_iter().zip(outcome) {
+            let (candidate, route) = match outcome {
+                RowOutcome::NotRun => {
+                    self.resident.push(r);
+                    continue;
+                }
+                RowOutcome::Chunk(tokens) => {
+                    r.state.seen[self.model] += tokens;
+                    self.resident.push(r);
+                    continue;
+                }
+                RowOutcome::Completed(candidate, route) => (candidate, route),
+            };
             r.state.seen[self.model] = r.state.tokens.len();
             let leave_to = match route {
                 Route::Stay => None,
@@ -421,7 +561,7 @@ impl<C: Clone> ModelScheduler<C> {
             match leave_to {
                 None => self.resident.push(r),
                 Some(to) => {
-                    let request = self.hand_off(r, to, now);
+                    let request = self.hand_off(kv, r, to, now);
                     effects.push(Effect::HandOff { to, request });
                 }
             }
@@ -456,18 +596,21 @@ impl<C: Clone> ModelScheduler<C> {
         })
     }
 
-    /// Packs a leaving request for `to` and marks it pending here (or caches its prefix in
-    /// `standard` mode).
-    fn hand_off(&mut self, mut r: InFlight<C>, to: ModelIdx, now: Instant) -> InFlight<C> {
+    /// Packs a leaving request for `to` and marks it pending here (in `standard` mode, a
+    /// return is a new request: its KV goes to the prefix cache).
+    fn hand_off(
+        &mut self,
+        kv: &mut impl KvOps,
+        mut r: InFlight<C>,
+        to: ModelIdx,
+        now: Instant,
+    ) -> InFlight<C> {
         let rid = r.rid();
         r.handoff = Some(r.params.policy.send(&r.state, to));
         r.stats.handoffs += 1;
         r.arrived = now;
         if self.mode == ExecutionMode::Standard {
-            if let Some(seq) = self.seqs.remove(&rid) {
-                let tokens = r.state.tokens[..r.state.seen[self.model]].to_vec();
-                self.prefix_cache.push(CachedPrefix { rid, seq, tokens });
-            }
+            self.release_seq(kv, rid);
         } else {
             self.pending.insert(rid);
         }
@@ -478,7 +621,6 @@ impl<C: Clone> ModelScheduler<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::kv::BLOCK_TOKENS;
     use crate::engine::{LogitStats, SamplingParams};
     use crate::policy::single::Single;
     use crate::policy::{RoutingState, SharedPolicy};
@@ -487,65 +629,12 @@ mod tests {
 
     const EOS: u32 = 0;
 
-    /// The KV accounting of an executor, without tensors: block-granular like the engine's.
-    struct FakeKv {
-        capacity_blocks: usize,
-        seqs: HashMap<SeqId, (usize, usize)>,
-    }
-
-    impl FakeKv {
-        fn new(capacity_tokens: usize) -> Self {
-            Self {
-                capacity_blocks: capacity_tokens / BLOCK_TOKENS,
-                seqs: HashMap::new(),
-            }
-        }
-
-        fn used_blocks(&self) -> usize {
-            self.seqs.values().map(|&(_, blocks)| blocks).sum()
-        }
-
-        /// A step: every sequence appends its work's tokens.
-        fn step(&mut self, work: &[SeqWork]) {
-            for w in work {
-                let needed = self.tokens_needed(w.seq, w.tokens.len()) / BLOCK_TOKENS;
-                let entry = self.seqs.entry(w.seq).or_insert((0, 0));
-                entry.0 += w.tokens.len();
-                entry.1 += needed;
-            }
-            assert!(
-                self.used_blocks() <= self.capacity_blocks,
-                "step over budget"
-            );
-        }
-    }
-
-    impl KvOps for FakeKv {
-        fn seq_len(&self, seq: SeqId) -> usize {
-            self.seqs.get(&seq).map_or(0, |s| s.0)
-        }
-        fn tokens_needed(&self, seq: SeqId, tokens: usize) -> usize {
-            let (len, blocks) = self.seqs.get(&seq).copied().unwrap_or((0, 0));
-            (len + tokens).div_ceil(BLOCK_TOKENS).saturating_sub(blocks) * BLOCK_TOKENS
-        }
-        fn free_tokens(&self) -> usize {
-            (self.capacity_blocks - self.used_blocks()) * BLOCK_TOKENS
-        }
-        fn capacity_tokens(&self) -> usize {
-            self.capacity_blocks * BLOCK_TOKENS
-        }
-        fn fork_prefix(&mut self, src: SeqId, dst: SeqId, len: usize) -> EngineResult<()> {
-            assert!(len <= self.seq_len(src) && !self.seqs.contains_key(&dst));
-            self.seqs.insert(dst, (len, len.div_ceil(BLOCK_TOKENS)));
-            Ok(())
-        }
-        fn truncate(&mut self, seq: SeqId, len: usize) {
-            if let Some(s) = self.seqs.get_mut(&seq) {
-                s.0 = s.0.min(len);
-            }
-        }
-        fn free(&mut self, seq: SeqId) {
-            self.seqs.remove(&seq);
+    /// What an executor's step does to the block manager: reserve, then commit the tokens.
+    fn run_on_kv(kv: &mut KvStore, work: &[SeqWork]) {
+        let appends: Vec<(SeqId, usize)> = work.iter().map(|w| (w.seq, w.tokens.len())).collect();
+        kv.reserve(&appends).expect("the plan fits the KV budget");
+        for w in work {
+            kv.advance(w.seq, &w.tokens);
         }
     }
 
@@ -571,22 +660,30 @@ mod tests {
     }
 
     fn scheduler(mode: ExecutionMode) -> ModelScheduler<u64> {
-        ModelScheduler::new(0, 2, "m0", mode)
+        ModelScheduler::new(0, 2, "m0", mode, None)
     }
 
-    /// Steps the scheduler on the fake KV with `routes` and the same `candidate` for every
-    /// resident; returns the step's work and the effects.
+    /// Plans and runs one step with `candidate` for every completed row and `routes` for
+    /// the completed rows in plan order (`Stay` past its end); returns the step's work and
+    /// the effects.
     fn step(
         s: &mut ModelScheduler<u64>,
-        kv: &mut FakeKv,
+        kv: &mut KvStore,
         candidate: u32,
         routes: &[Route],
     ) -> (Vec<SeqWork>, Vec<Effect<u64>>) {
-        let work = s.schedule();
-        kv.step(&work);
-        let candidates = vec![candidate; work.len()];
-        let (effects, _) = s.update_from_output(kv, &candidates, routes, Instant::now());
-        (work, effects)
+        let (plan, failed) = s.schedule(kv);
+        assert!(fails(&failed).is_empty());
+        run_on_kv(kv, &plan.work);
+        let candidates = vec![candidate; plan.work.len()];
+        let mut routes = routes.iter().copied();
+        let routes: Vec<Option<Route>> = plan
+            .rows
+            .iter()
+            .map(|row| row.completes.then(|| routes.next().unwrap_or(Route::Stay)))
+            .collect();
+        let (effects, _) = s.update_from_output(kv, &plan, &candidates, &routes, Instant::now());
+        (plan.work, effects)
     }
 
     fn handed_off(effects: Vec<Effect<u64>>) -> InFlight<u64> {
@@ -618,9 +715,23 @@ mod tests {
             .collect()
     }
 
+    fn committed(effects: &[Effect<u64>]) -> Vec<(u64, u32)> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Commit { client, token, .. } => Some((*client, *token)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn tokens(from: u32, n: usize) -> Vec<u32> {
+        (from..from + n as u32).collect()
+    }
+
     #[test]
     fn a_returning_request_appends_only_the_tokens_it_has_not_seen() {
-        let mut kv = FakeKv::new(1024);
+        let mut kv = KvStore::new(1024);
         let mut s = scheduler(ExecutionMode::Tokenrouter);
         s.admit(&mut kv, request(1, &[5, 6, 7], 16), true);
         let (work, effects) = step(&mut s, &mut kv, 8, &[Route::CommitThenSwitch(1)]);
@@ -629,7 +740,7 @@ mod tests {
         assert_eq!(kv.seq_len(work[0].seq), 3);
         let back = elsewhere(handed_off(effects), &[9, 10]);
         s.admit(&mut kv, back, true);
-        let work_back = s.schedule();
+        let (work_back, _) = step(&mut s, &mut kv, 11, &[]);
         assert_eq!(work_back[0].seq, work[0].seq, "the same sequence resumes");
         assert_eq!(
             work_back[0].tokens,
@@ -642,7 +753,7 @@ mod tests {
 
     #[test]
     fn a_rejected_candidate_recomputes_the_last_position() {
-        let mut kv = FakeKv::new(1024);
+        let mut kv = KvStore::new(1024);
         let mut s = scheduler(ExecutionMode::Async);
         s.admit(&mut kv, request(1, &[5, 6, 7], 16), true);
         let (work, effects) = step(&mut s, &mut kv, 8, &[Route::RejectAndSwitch(1)]);
@@ -656,112 +767,186 @@ mod tests {
         back.state.current = 1;
         back.handoff = Some(back.params.policy.send(&back.state, 0));
         s.admit(&mut kv, back, true);
-        assert_eq!(s.schedule()[0].tokens, vec![7]);
         assert_eq!(
             kv.seq_len(work[0].seq),
             2,
             "truncated before the last position"
         );
+        assert_eq!(step(&mut s, &mut kv, 9, &[]).0[0].tokens, vec![7]);
     }
 
     #[test]
-    fn a_sequence_lost_meanwhile_re_prefills_from_the_committed_tokens() {
-        let mut kv = FakeKv::new(1024);
-        let mut s = scheduler(ExecutionMode::Tokenrouter);
-        s.admit(&mut kv, request(1, &[5, 6, 7], 16), true);
-        let (work, effects) = step(&mut s, &mut kv, 8, &[Route::CommitThenSwitch(1)]);
-        kv.free(work[0].seq);
-        s.admit(&mut kv, elsewhere(handed_off(effects), &[9]), true);
-        assert_eq!(s.schedule()[0].tokens, vec![5, 6, 7, 8, 9]);
-        assert_eq!(s.counters().kv_allocations, 2);
+    fn a_sequence_lost_meanwhile_starts_again_from_the_cache_or_the_committed_tokens() {
+        for sharing in [true, false] {
+            let mut kv = KvStore::new(1024);
+            kv.set_prefix_sharing(sharing);
+            let mut s = scheduler(ExecutionMode::Tokenrouter);
+            s.admit(&mut kv, request(1, &[5, 6, 7], 16), true);
+            let (work, effects) = step(&mut s, &mut kv, 8, &[Route::CommitThenSwitch(1)]);
+            kv.free(work[0].seq);
+            s.admit(&mut kv, elsewhere(handed_off(effects), &[9]), true);
+            let expected: &[u32] = if sharing { &[8, 9] } else { &[5, 6, 7, 8, 9] };
+            assert_eq!(step(&mut s, &mut kv, 1, &[]).0[0].tokens, expected);
+            assert_eq!(s.counters().kv_allocations, 2);
+        }
     }
 
     #[test]
-    fn standard_mode_copies_the_longest_cached_prefix() {
-        let mut kv = FakeKv::new(1024);
-        let mut s = scheduler(ExecutionMode::Standard);
-        s.admit(&mut kv, request(1, &[5, 6, 7, 8], 16), true);
-        let (first, effects) = step(&mut s, &mut kv, 9, &[Route::CommitThenSwitch(1)]);
-        assert_eq!(s.pending(), 0, "standard mode keeps no pending requests");
+    fn every_mode_shares_prefixes_and_standard_returns_start_from_the_cache() {
+        for mode in [
+            ExecutionMode::Standard,
+            ExecutionMode::Async,
+            ExecutionMode::Tokenrouter,
+            ExecutionMode::Lockstep,
+        ] {
+            let mut kv = KvStore::new(1024);
+            let mut s = scheduler(mode);
+            let system = tokens(100, 40);
+            let ask = |rid: u64, question: u32| {
+                let mut prompt = system.clone();
+                prompt.extend([question, question]);
+                request(rid, &prompt, 16)
+            };
+            s.admit(&mut kv, ask(1, 1), true);
+            let (first, effects) = step(&mut s, &mut kv, 9, &[Route::CommitThenSwitch(1)]);
+            assert_eq!(first[0].tokens.len(), 42);
+            // Another request with the same system prompt computes only its own tokens.
+            s.admit(&mut kv, ask(2, 2), true);
+            let (work, _) = step(&mut s, &mut kv, 9, &[]);
+            assert_eq!(work[0].tokens, vec![2, 2], "{mode:?}");
+            assert_eq!(kv.prefix_counters().hit_tokens, 40, "{mode:?}");
+            // The first returns: in standard mode a new sequence on its own cached blocks.
+            s.admit(&mut kv, elsewhere(handed_off(effects), &[10]), true);
+            let (work, _) = step(&mut s, &mut kv, 11, &[]);
+            let back = work.iter().find(|w| w.tokens.contains(&10)).unwrap();
+            assert_eq!(back.tokens, vec![9, 10], "{mode:?}");
+            let fresh = mode == ExecutionMode::Standard;
+            assert_eq!(back.seq != first[0].seq, fresh, "{mode:?}");
+            assert_eq!(s.counters().kv_allocations, 2 + fresh as u64, "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn long_prompts_run_in_chunks_beside_the_decode_rows() {
+        let mut kv = KvStore::new(1024);
+        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, Some(7));
+        s.admit(&mut kv, request(1, &[5], 8), true);
+        step(&mut s, &mut kv, 6, &[]);
+        s.admit(&mut kv, request(2, &tokens(100, 20), 8), true);
+        let mut chunks = Vec::new();
+        let mut commits = Vec::new();
+        for _ in 0..4 {
+            let (work, effects) = step(&mut s, &mut kv, 7, &[]);
+            assert!(work.iter().map(|w| w.tokens.len()).sum::<usize>() <= 7);
+            assert_eq!(work[0].tokens.len(), 1, "the decode row runs every step");
+            chunks.extend(work.get(1).map(|w| w.tokens.len()));
+            commits.extend(committed(&effects));
+        }
+        assert_eq!(chunks, vec![6, 6, 6, 2]);
         assert_eq!(
-            kv.seq_len(first[0].seq),
-            4,
-            "left behind as a cached prefix"
+            commits.iter().filter(|(client, _)| *client == 2).count(),
+            1,
+            "no token before the whole prompt ran"
         );
-        // Another request sharing three prompt tokens is matched against that cache.
-        s.admit(&mut kv, request(2, &[5, 6, 7, 1, 2], 16), true);
-        let work = s.schedule();
-        assert_eq!(work[0].tokens, vec![1, 2]);
-        assert_eq!(kv.seq_len(work[0].seq), 3, "a copy of the shared prefix");
-        // The first request returns: a fresh allocation with its own prefix copied, and its
-        // cache entry is gone (superseded).
-        s.admit(&mut kv, elsewhere(handed_off(effects), &[10]), true);
-        let work = s.schedule();
-        assert_eq!(work[1].tokens, vec![9, 10]);
-        assert_ne!(work[1].seq, first[0].seq);
-        assert!(
-            !kv.seqs.contains_key(&first[0].seq),
-            "the old entry was freed"
-        );
-        let counters = s.counters();
-        assert_eq!((counters.kv_allocations, counters.prefix_lookups), (3, 3));
+        assert_eq!(s.counters().chunked_rows, 3);
     }
 
     #[test]
-    fn under_kv_pressure_caches_go_first_then_pending_then_the_newest_residents() {
+    fn a_request_waits_a_step_for_the_prefix_another_row_is_computing() {
+        let mut kv = KvStore::new(1024);
+        let mut s = scheduler(ExecutionMode::Tokenrouter);
+        let prompt = tokens(100, 40);
+        s.admit(&mut kv, request(1, &prompt, 8), true);
+        s.admit(&mut kv, request(2, &prompt, 8), true);
+        let (work, _) = step(&mut s, &mut kv, 9, &[]);
+        assert_eq!(work.len(), 1, "the second request waits");
+        let (work, _) = step(&mut s, &mut kv, 9, &[]);
+        assert_eq!(
+            work[1].tokens,
+            vec![prompt[39]],
+            "and takes the rest from the cache"
+        );
+        assert_eq!(kv.prefix_counters().hit_tokens, 39);
+        assert_eq!(s.counters().prefix_waits, 1);
+    }
+
+    #[test]
+    fn under_kv_pressure_pending_requests_go_first_then_residents_wait_or_start_over() {
         // 8 blocks of 16 tokens.
-        let mut kv = FakeKv::new(8 * BLOCK_TOKENS);
+        let mut kv = KvStore::new(8 * BLOCK_TOKENS);
+        kv.set_prefix_sharing(false);
         let mut s = scheduler(ExecutionMode::Tokenrouter);
         // Requests 1 and 2 take a block each and leave: pending here.
         for rid in [1, 2] {
-            s.admit(&mut kv, request(rid, &[1; 10], 64), true);
+            s.admit(&mut kv, request(rid, &[rid as u32; 10], 64), true);
         }
         step(&mut s, &mut kv, 3, &[Route::CommitThenSwitch(1); 2]);
-        assert_eq!((s.pending(), kv.used_blocks()), (2, 2));
-        // Residents 3..=5 need 2 + 2 + 3 blocks, one more than is free: one pending
-        // request must go.
+        assert_eq!((s.pending(), kv.usage().used_tokens), (2, 2 * BLOCK_TOKENS));
+        // Residents 3..=5 need 2 + 2 + 3 blocks, one more than is free: the older pending
+        // request gives up its KV.
         for (rid, prompt) in [(3, 20), (4, 20), (5, 40)] {
-            s.admit(&mut kv, request(rid, &vec![1; prompt], 64), true);
+            s.admit(&mut kv, request(rid, &vec![rid as u32; prompt], 64), true);
         }
-        assert!(fails(&s.make_room(&mut kv)).is_empty());
+        let (work, _) = step(&mut s, &mut kv, 3, &[]);
+        assert_eq!(work.len(), 3);
         assert_eq!(s.counters().preemptions, 1);
-        assert_eq!(s.pending(), 1);
         assert!(
             !s.pending.contains(&RequestId(1)),
             "the older pending request went first"
         );
-        // Two more residents of three blocks each: the other pending request goes, then the
-        // newest residents fail, retryably, until the rest fit.
+        // Two more residents of three blocks each: the other pending request goes, and what
+        // still does not fit waits (a shorter chunk, or a later step) instead of failing.
         for rid in [6, 7] {
-            s.admit(&mut kv, request(rid, &[1; 40], 64), true);
+            s.admit(&mut kv, request(rid, &[rid as u32; 40], 64), true);
         }
-        let effects = s.make_room(&mut kv);
+        let (work, effects) = step(&mut s, &mut kv, 3, &[]);
+        assert!(fails(&effects).is_empty());
         assert_eq!(s.counters().preemptions, 2);
-        assert_eq!(
-            fails(&effects),
-            vec![(7, FailureKind::Capacity), (6, FailureKind::Capacity)]
-        );
-        assert_eq!(s.resident(), 3);
-        kv.step(&s.schedule());
+        assert_eq!(work.len(), 4, "three decode rows and a chunk of request 6");
+        assert_eq!(work[3].tokens.len(), BLOCK_TOKENS, "the one block freed");
+        assert_eq!(s.resident(), 5);
     }
 
     #[test]
-    fn standard_mode_drops_its_cached_prefixes_before_failing_anyone() {
-        let mut kv = FakeKv::new(4 * BLOCK_TOKENS);
-        let mut s = scheduler(ExecutionMode::Standard);
-        s.admit(&mut kv, request(1, &[1; 10], 64), true);
-        step(&mut s, &mut kv, 3, &[Route::CommitThenSwitch(1)]);
-        assert_eq!(kv.used_blocks(), 1, "a cached prefix");
-        s.admit(&mut kv, request(2, &[2; 60], 64), true);
-        assert!(fails(&s.make_room(&mut kv)).is_empty());
-        assert_eq!(kv.used_blocks(), 0);
-        assert_eq!(s.counters().preemptions, 0);
+    fn a_kv_deadlock_restarts_the_newest_resident_and_fails_only_what_cannot_fit_alone() {
+        let mut kv = KvStore::new(4 * BLOCK_TOKENS);
+        kv.set_prefix_sharing(false);
+        let mut s = scheduler(ExecutionMode::Async);
+        // Two requests of two full blocks each: both need a fifth block for their next token.
+        for rid in [1, 2] {
+            s.admit(
+                &mut kv,
+                request(rid, &[rid as u32; 2 * BLOCK_TOKENS], 64),
+                true,
+            );
+        }
+        step(&mut s, &mut kv, 9, &[]);
+        let (work, effects) = step(&mut s, &mut kv, 9, &[]);
+        assert!(fails(&effects).is_empty());
+        assert_eq!(work.len(), 1, "request 2 gave up its KV to request 1");
+        assert_eq!(s.counters().preemptions, 1);
+        // Request 1 alone grows past the whole budget: it fails, retryably; 2 goes on.
+        let mut failed = Vec::new();
+        for _ in 0..2 * BLOCK_TOKENS + 2 {
+            let (plan, effects) = s.schedule(&mut kv);
+            failed.extend(fails(&effects));
+            run_on_kv(&mut kv, &plan.work);
+            let routes: Vec<Option<Route>> = plan
+                .rows
+                .iter()
+                .map(|r| r.completes.then_some(Route::Stay))
+                .collect();
+            let candidates = vec![9; plan.work.len()];
+            s.update_from_output(&mut kv, &plan, &candidates, &routes, Instant::now());
+        }
+        assert_eq!(failed, vec![(1, FailureKind::Capacity)]);
+        assert_eq!(s.resident(), 1);
     }
 
     #[test]
     fn cancelling_frees_everything_the_model_holds() {
-        let mut kv = FakeKv::new(1024);
         for mode in [ExecutionMode::Tokenrouter, ExecutionMode::Standard] {
+            let mut kv = KvStore::new(1024);
             let mut s = scheduler(mode);
             s.admit(&mut kv, request(1, &[5, 6, 7], 16), true);
             s.admit(&mut kv, request(2, &[5, 6, 8], 16), true);
@@ -771,42 +956,44 @@ mod tests {
                 9,
                 &[Route::CommitThenSwitch(1), Route::Stay],
             );
-            kv.step(&s.schedule());
-            assert!(kv.used_blocks() > 0);
+            step(&mut s, &mut kv, 9, &[]);
+            assert!(kv.usage().used_tokens > 0);
             s.free_request(&mut kv, RequestId(1));
             s.free_request(&mut kv, RequestId(2));
             assert_eq!((s.resident(), s.pending()), (0, 0), "{mode:?}");
-            assert!(kv.seqs.is_empty(), "{mode:?}: KV left behind");
-            assert!(s.seqs.is_empty() && s.prefix_cache.is_empty(), "{mode:?}");
+            let usage = kv.usage();
+            assert_eq!((usage.used_tokens, usage.sequences), (0, 0), "{mode:?}");
+            assert!(usage.cached_tokens > 0, "{mode:?}: the prompts stay cached");
+            assert!(s.seqs.is_empty(), "{mode:?}");
         }
     }
 
     #[test]
     fn arrivals_and_residents_of_ended_requests_are_dropped() {
-        let mut kv = FakeKv::new(1024);
+        let mut kv = KvStore::new(1024);
         let mut s = scheduler(ExecutionMode::Async);
         s.admit(&mut kv, request(1, &[5], 16), false);
         assert_eq!(s.resident(), 0);
         s.admit(&mut kv, request(2, &[5], 16), true);
-        s.admit(&mut kv, request(3, &[5], 16), true);
-        kv.step(&s.schedule());
+        s.admit(&mut kv, request(3, &[6], 16), true);
+        step(&mut s, &mut kv, 7, &[]);
         s.drop_ended(&mut kv, |rid| rid != RequestId(2));
         assert_eq!(s.resident(), 1);
-        assert_eq!(kv.seqs.len(), 1);
+        assert_eq!(kv.usage().sequences, 1);
     }
 
     #[test]
     fn commits_stream_and_the_end_frees_the_kv() {
-        let mut kv = FakeKv::new(1024);
+        let mut kv = KvStore::new(1024);
         let mut s = scheduler(ExecutionMode::Async);
         s.admit(&mut kv, request(1, &[5], 2), true);
         s.admit(&mut kv, request(2, &[5], 8), true);
-        let (_, effects) = step(&mut s, &mut kv, 7, &[Route::Stay, Route::Stay]);
+        let (_, effects) = step(&mut s, &mut kv, 7, &[]);
         assert!(matches!(
             effects[..],
             [Effect::Commit { token: 7, .. }, Effect::Commit { .. }]
         ));
-        let (_, effects) = step(&mut s, &mut kv, 7, &[Route::Stay, Route::Stay]);
+        let (_, effects) = step(&mut s, &mut kv, 7, &[]);
         match &effects[..] {
             [Effect::Commit { client: 1, .. }, Effect::Finish {
                 client: 1,
@@ -816,7 +1003,7 @@ mod tests {
             }, Effect::Commit { client: 2, .. }] => assert_eq!(stats.tokens_per_model, [2, 0]),
             _ => panic!("max_tokens = 2 ends request 1 after its second token"),
         }
-        let (_, effects) = step(&mut s, &mut kv, EOS, &[Route::Stay]);
+        let (_, effects) = step(&mut s, &mut kv, EOS, &[]);
         assert!(matches!(
             effects[..],
             [Effect::Finish {
@@ -825,15 +1012,15 @@ mod tests {
                 ..
             }]
         ));
-        assert_eq!((s.resident(), kv.seqs.len()), (0, 0));
+        assert_eq!((s.resident(), kv.usage().used_tokens), (0, 0));
     }
 
     #[test]
     fn a_route_to_an_unknown_model_fails_the_request() {
-        let mut kv = FakeKv::new(1024);
+        let mut kv = KvStore::new(1024);
         let mut s = scheduler(ExecutionMode::Async);
         s.admit(&mut kv, request(1, &[5], 8), true);
-        s.admit(&mut kv, request(2, &[5], 8), true);
+        s.admit(&mut kv, request(2, &[6], 8), true);
         let (_, effects) = step(
             &mut s,
             &mut kv,
@@ -844,11 +1031,11 @@ mod tests {
             fails(&effects),
             vec![(1, FailureKind::Fault), (2, FailureKind::Fault)]
         );
-        assert!(kv.seqs.is_empty());
+        assert_eq!(kv.usage().used_tokens, 0);
     }
 
     #[test]
-    fn each_policy_routes_its_own_requests_as_one_batch() {
+    fn each_policy_routes_its_own_completed_rows_as_one_batch() {
         /// Hands over exactly the requests of a batch of `size`.
         struct BatchSize(usize, [ModelIdx; 2]);
         impl crate::policy::RoutingPolicy for BatchSize {
@@ -873,17 +1060,20 @@ mod tests {
                 vec![route; reqs.len()]
             }
         }
-        let mut kv = FakeKv::new(1024);
-        let mut s = scheduler(ExecutionMode::Async);
+        let mut kv = KvStore::new(1024);
+        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, Some(4));
         let two: SharedPolicy = Arc::new(BatchSize(2, [0, 1]));
         let one: SharedPolicy = Arc::new(BatchSize(1, [0, 1]));
-        for (rid, policy) in [(1, &two), (2, &one), (3, &two)] {
-            let mut r = request(rid, &[5], 8);
+        // Request 4 (policy `one`) runs a chunk of its prompt: it is not routed yet, so
+        // `one` sees a batch of one (request 2) and `two` one of two.
+        for (rid, policy, prompt) in [(1, &two, 1), (2, &one, 1), (3, &two, 1), (4, &one, 9)] {
+            let mut r = request(rid, &tokens(10 * rid as u32, prompt), 8);
             r.params.policy = policy.clone();
             s.admit(&mut kv, r, true);
         }
-        let outputs: Vec<StepOutput> = s
-            .schedule()
+        let (plan, _) = s.schedule(&mut kv);
+        let outputs: Vec<StepOutput> = plan
+            .work
             .iter()
             .map(|w| StepOutput {
                 seq: w.seq,
@@ -899,6 +1089,8 @@ mod tests {
                 candidate_embedding: None,
             })
             .collect();
-        assert_eq!(s.decide(&outputs), vec![Route::CommitThenSwitch(1); 3]);
+        let mut expected = vec![Some(Route::CommitThenSwitch(1)); 3];
+        expected.push(None);
+        assert_eq!(s.decide(&plan, &outputs), expected);
     }
 }

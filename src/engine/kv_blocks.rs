@@ -1,0 +1,111 @@
+//! The CPU backend's KV contents, by block of `KvStore`: per block and layer, the keys then
+//! the values of `BLOCK_TOKENS` positions, row-major `[position, kv_heads * head_dim]`, in
+//! f16: attention reads a sequence's whole cache every step, so half the bytes is half its
+//! memory traffic (llama.cpp's default cache type too).
+
+use super::kv::{BlockCopy, BlockId, BLOCK_TOKENS};
+use half::f16;
+
+pub struct KvBlocks {
+    layers: usize,
+    kv_dim: usize,
+    /// Indexed by `BlockId`; a block's memory is allocated on first use and kept for reuse.
+    blocks: Vec<Vec<f16>>,
+}
+
+impl KvBlocks {
+    pub fn new(layers: usize, kv_dim: usize) -> Self {
+        Self {
+            layers,
+            kv_dim,
+            blocks: Vec::new(),
+        }
+    }
+
+    fn plane(&self) -> usize {
+        BLOCK_TOKENS * self.kv_dim
+    }
+
+    /// Where `layer`'s keys (`part` 0) or values (1) start inside a block.
+    fn offset(&self, layer: usize, part: usize) -> usize {
+        (layer * 2 + part) * self.plane()
+    }
+
+    fn block_mut(&mut self, id: BlockId) -> &mut [f16] {
+        let id = id as usize;
+        if self.blocks.len() <= id {
+            self.blocks.resize_with(id + 1, Vec::new);
+        }
+        let size = self.layers * 2 * self.plane();
+        let block = &mut self.blocks[id];
+        if block.is_empty() {
+            block.resize(size, f16::ZERO);
+        }
+        block
+    }
+
+    /// Stores one position's key and value rows of `layer` in slot `slot` of block `id`.
+    pub fn write(&mut self, id: BlockId, layer: usize, slot: usize, key: &[f32], value: &[f32]) {
+        let kv_dim = self.kv_dim;
+        let (k_at, v_at) = (self.offset(layer, 0), self.offset(layer, 1));
+        let block = self.block_mut(id);
+        let row = slot * kv_dim;
+        for (to, &from) in block[k_at + row..k_at + row + kv_dim].iter_mut().zip(key) {
+            *to = f16::from_f32(from);
+        }
+        for (to, &from) in block[v_at + row..v_at + row + kv_dim].iter_mut().zip(value) {
+            *to = f16::from_f32(from);
+        }
+    }
+
+    /// `layer`'s key rows of block `id` (all `BLOCK_TOKENS` slots).
+    pub fn keys(&self, id: BlockId, layer: usize) -> &[f16] {
+        let at = self.offset(layer, 0);
+        &self.blocks[id as usize][at..at + self.plane()]
+    }
+
+    pub fn values(&self, id: BlockId, layer: usize) -> &[f16] {
+        let at = self.offset(layer, 1);
+        &self.blocks[id as usize][at..at + self.plane()]
+    }
+
+    /// Carries out a copy the block manager asked for.
+    pub fn copy(&mut self, copy: BlockCopy) {
+        let rows = copy.positions * self.kv_dim;
+        let source = self.block_mut(copy.from).to_vec();
+        let offsets: Vec<usize> = (0..self.layers)
+            .flat_map(|layer| [self.offset(layer, 0), self.offset(layer, 1)])
+            .collect();
+        let target = self.block_mut(copy.to);
+        for at in offsets {
+            target[at..at + rows].copy_from_slice(&source[at..at + rows]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_moves_the_leading_positions_of_every_layer() {
+        let mut data = KvBlocks::new(2, 2);
+        for layer in 0..2 {
+            for slot in 0..3 {
+                let x = (layer * 10 + slot) as f32;
+                data.write(4, layer, slot, &[x, x + 0.5], &[-x, -x - 0.5]);
+            }
+        }
+        data.copy(BlockCopy {
+            from: 4,
+            to: 1,
+            positions: 2,
+        });
+        let floats = |v: &[f16]| v.iter().map(|h| h.to_f32()).collect::<Vec<_>>();
+        assert_eq!(
+            floats(&data.keys(1, 1)[..6]),
+            [10.0, 10.5, 11.0, 11.5, 0.0, 0.0]
+        );
+        assert_eq!(floats(&data.values(1, 0)[..4]), [-0.0, -0.5, -1.0, -1.5]);
+    }
+}
