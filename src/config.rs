@@ -352,6 +352,15 @@ pub struct ModelConfig {
     pub step_token_budget: Option<TokenBudget>,
 }
 
+/// A model's configured step cost: L(b) = a + c·b ms for b decode rows, and what each
+/// further token of a prompt or catch-up adds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepCost {
+    pub a_ms: f64,
+    pub c_ms: f64,
+    pub prefill_ms_per_token: Option<f64>,
+}
+
 /// A per-step token budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(try_from = "toml::Value")]
@@ -497,13 +506,36 @@ impl Config {
     /// Each model's step latency `[a, c]` ms for the tuner: `[tuning] latency_ms`, else the
     /// model's step profile (read now, so that re-measuring a profile never needs the old one).
     pub fn latency_priors_ms(&self) -> Result<Vec<Option<[f64; 2]>>, ConfigError> {
+        Ok(self
+            .step_costs()?
+            .into_iter()
+            .map(|cost| cost.map(|c| [c.a_ms, c.c_ms]))
+            .collect())
+    }
+
+    /// Each model's step cost as configured: L(b) from `[tuning] latency_ms` or the step
+    /// profile, and the prefill cost per token where the profile measured it.
+    pub fn step_costs(&self) -> Result<Vec<Option<StepCost>>, ConfigError> {
         let configured = self.tuning.as_ref().map(|t| t.latency_ms.as_slice());
         self.models
             .iter()
             .enumerate()
-            .map(|(i, model)| match configured.and_then(|c| c.get(i)) {
-                Some(&latency) => Ok(Some(latency)),
-                None => Ok(model.read_step_profile()?.map(|p| [p.fit.a_ms, p.fit.c_ms])),
+            .map(|(i, model)| {
+                let profile = model.read_step_profile()?;
+                let prefill_ms_per_token = profile
+                    .as_ref()
+                    .and_then(|p| p.prefill.as_ref())
+                    .filter(|p| p.tokens_per_s > 0.0)
+                    .map(|p| 1000.0 / p.tokens_per_s);
+                let latency = match configured.and_then(|c| c.get(i)) {
+                    Some(&latency) => Some(latency),
+                    None => profile.map(|p| [p.fit.a_ms, p.fit.c_ms]),
+                };
+                Ok(latency.map(|[a_ms, c_ms]| StepCost {
+                    a_ms,
+                    c_ms,
+                    prefill_ms_per_token,
+                }))
             })
             .collect()
     }

@@ -187,6 +187,10 @@ struct BenchRoutingArgs {
     /// Repetitions; modes are interleaved within each round.
     #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// Tokens of one extra prompt sent into each cell once its requests decode; the report
+    /// gives the others' largest inter-token gap during its prefill over their median gap.
+    #[arg(long)]
+    long_prompt: Option<usize>,
     /// Device for every model (`cpu` or `cuda:N`), overriding the config's `device`.
     #[arg(long)]
     device: Option<tokenrouter::config::ModelDevice>,
@@ -542,8 +546,11 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         || args.requests == 0
         || args.max_tokens == 0
         || args.rounds == 0
+        || args.long_prompt == Some(0)
     {
-        anyhow::bail!("--concurrency, --requests, --max-tokens and --rounds must be positive");
+        anyhow::bail!(
+            "--concurrency, --requests, --max-tokens, --rounds and --long-prompt must be positive"
+        );
     }
     let sweep = match &args.sweep {
         None => None,
@@ -581,6 +588,7 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         rounds: args.rounds,
         workload: args.workload,
+        long_prompt: args.long_prompt,
     };
     let rows = actix::System::new()
         .block_on(async move { bench::routing::run(&config, &settings).await })?;
@@ -633,6 +641,7 @@ fn run_bench_load(args: BenchLoadArgs) -> anyhow::Result<()> {
 }
 
 fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
+    use tokenrouter::tuning::controller::{thresholds_to_run, MIN_PREDICTED_GAIN};
     use tokenrouter::tuning::{paper, predict, search, AffineLatency, DtmcModel};
     if args.validate_runtime {
         if !(args.window_s > 0.0 && args.window_s.is_finite()) {
@@ -721,7 +730,8 @@ fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
             .find(|(b, _)| b.iter().all(|&t| t == 1))
             .map(|(_, p)| p.throughput);
         let (best, p) = &results[0];
-        table.push(json!({"n": n, "thresholds": best, "predicted": p.throughput, "eager": eager, "admission_delay_ms": p.admission_delay_ms, "mean_batch": p.mean_batch}));
+        let run = thresholds_to_run(&results, MIN_PREDICTED_GAIN);
+        table.push(json!({"n": n, "thresholds": best, "runs": run, "predicted": p.throughput, "eager": eager, "admission_delay_ms": p.admission_delay_ms, "mean_batch": p.mean_batch}));
     }
     if args.json {
         println!(
@@ -731,18 +741,23 @@ fn run_tune(args: TuneArgs) -> anyhow::Result<()> {
     } else {
         let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
         println!(
-            "| N | B* ({}) | predicted tok/s | eager (all 1) tok/s |\n|---:|---|---:|---:|",
+            "| N | B* ({}) | predicted tok/s | eager (all 1) tok/s | the tuner runs |\n|---:|---|---:|---:|---|",
             names.join(", ")
         );
         for r in &table {
             println!(
-                "| {} | {} | {:.1} | {:.1} |",
+                "| {} | {} | {:.1} | {:.1} | {} |",
                 r["n"],
                 r["thresholds"],
                 r["predicted"].as_f64().unwrap_or(0.0),
-                r["eager"].as_f64().unwrap_or(0.0)
+                r["eager"].as_f64().unwrap_or(0.0),
+                r["runs"]
             );
         }
+        println!(
+            "\nThe tuner runs B* only where it predicts at least {:.0} % more than eager launch.",
+            MIN_PREDICTED_GAIN * 100.0
+        );
     }
     Ok(())
 }

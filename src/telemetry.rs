@@ -3,6 +3,7 @@
 //! which install no recorder, pay nothing.
 
 use crate::engine::{KvUsage, PrefixCounters};
+use crate::tuning::controller::{Arm, ArmComparison};
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics::{Counter, Gauge, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -17,6 +18,8 @@ pub const ADMISSION_DELAY_SECONDS: &str = "tokenrouter_admission_delay_seconds";
 pub const PENDING_REQUESTS: &str = "tokenrouter_pending_requests";
 pub const WAITING_REQUESTS: &str = "tokenrouter_waiting_requests";
 pub const KV_TOKENS_USED: &str = "tokenrouter_kv_tokens_used";
+pub const CONTROLLER_TOKENS_PER_SECOND: &str = "tokenrouter_controller_tokens_per_second";
+pub const CONTROLLER_EAGER_CHOSEN: &str = "tokenrouter_controller_eager_chosen";
 pub const KV_TOKENS_CACHED: &str = "tokenrouter_kv_tokens_cached";
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "tokenrouter_prefix_cache_hits_total";
 pub const PREFIX_CACHE_HIT_TOKENS_TOTAL: &str = "tokenrouter_prefix_cache_hit_tokens_total";
@@ -105,6 +108,14 @@ fn describe() {
     describe_gauge!(
         KV_TOKENS_CACHED,
         "KV cache tokens only the prefix cache holds (evictable)"
+    );
+    describe_gauge!(
+        CONTROLLER_TOKENS_PER_SECOND,
+        "Committed tokens/s of the tuned thresholds and of eager launch (the eager check)"
+    );
+    describe_gauge!(
+        CONTROLLER_EAGER_CHOSEN,
+        "1 while eager launch measured faster than the tuned thresholds"
     );
     describe_counter!(
         PREFIX_CACHE_LOOKUPS_TOTAL,
@@ -218,6 +229,34 @@ impl ModelMetrics {
             ("policy", policy.to_string()),
         ];
         counter!(HANDOFFS_TOTAL, &labels).increment(1);
+    }
+}
+
+/// The eager check's figures (`tokenrouter` mode with re-tuning).
+pub struct ControllerMetrics {
+    tuned: Gauge,
+    eager: Gauge,
+    eager_chosen: Gauge,
+}
+
+impl ControllerMetrics {
+    pub fn new() -> Self {
+        Self {
+            tuned: gauge!(CONTROLLER_TOKENS_PER_SECOND, "arm" => "tuned"),
+            eager: gauge!(CONTROLLER_TOKENS_PER_SECOND, "arm" => "eager"),
+            eager_chosen: gauge!(CONTROLLER_EAGER_CHOSEN),
+        }
+    }
+
+    pub fn compared(&self, comparison: &ArmComparison) {
+        if let Some(v) = comparison.tuned_tokens_per_s {
+            self.tuned.set(v);
+        }
+        if let Some(v) = comparison.eager_tokens_per_s {
+            self.eager.set(v);
+        }
+        self.eager_chosen
+            .set(f64::from(u8::from(comparison.choice == Arm::Eager)));
     }
 }
 

@@ -2,7 +2,10 @@
 //! previous one ends) against the runtime in each execution mode and against the reference
 //! model alone, modes interleaved round by round in one run so their ratios share the
 //! machine's conditions. Each cell also reports what the Markov model predicts from the
-//! routing and step timings measured in that cell.
+//! routing measured in that cell, with L(b) fitted to the cell's steps and with L(b) from
+//! the models' step profiles; token timings (TTFT, inter-token gaps); the prefix cache's
+//! share of positions; and, with `--long-prompt`, how much one long prompt arriving
+//! mid-cell stretches the other requests' inter-token gaps.
 
 use super::median;
 use super::workloads::{self, Workload};
@@ -10,11 +13,15 @@ use serde::Serialize;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
-use tokenrouter::config::{Config, ExecutionMode, PolicyConfig};
+use tokenrouter::config::{Config, ExecutionMode, PolicyConfig, StepCost};
 use tokenrouter::engine::SamplingParams;
-use tokenrouter::runtime::{GenerateRequest, ModelSnapshot, Runtime, RuntimeError};
+use tokenrouter::runtime::{
+    GenerateRequest, ModelSnapshot, RequestEvent, RequestHandle, RoutingStats, Runtime,
+    RuntimeError,
+};
+use tokenrouter::tuning::controller::ArmComparison;
 use tokenrouter::tuning::online::fit_latency;
-use tokenrouter::tuning::{predict, DtmcModel};
+use tokenrouter::tuning::{predict, AffineLatency, DtmcModel};
 
 /// Time grid of the per-cell predictions (as the online tuner).
 const PREDICTION_DELTA_MS: f64 = 0.5;
@@ -69,6 +76,8 @@ pub struct RoutingBenchSettings {
     pub max_tokens: usize,
     pub rounds: usize,
     pub workload: Workload,
+    /// Tokens of one extra prompt sent into each cell once its requests decode.
+    pub long_prompt: Option<usize>,
 }
 
 /// One model's share of a cell.
@@ -92,9 +101,13 @@ pub struct RoutingBenchRow {
     pub output_tokens: usize,
     pub seconds: f64,
     pub tokens_per_s: f64,
-    /// The Markov model's throughput for this cell's measured routing and step latencies
-    /// (decode only: it ignores prefill); none for `lockstep`, which it does not model.
+    /// The Markov model's throughput for this cell's measured routing, with L(b) fitted to
+    /// the cell's steps; none for `lockstep`, which it does not model.
     pub predicted_tokens_per_s: Option<f64>,
+    /// The same with L(b) from the models' step profiles (as `tokenrouter tune` uses them),
+    /// each prompt or catch-up token beyond a row's first priced at the profile's prefill
+    /// rate.
+    pub predicted_from_profiles_tokens_per_s: Option<f64>,
     pub handoffs_per_100_tokens: f64,
     /// Share of output tokens each model wrote, by model name.
     pub token_share: Vec<(String, f64)>,
@@ -102,7 +115,19 @@ pub struct RoutingBenchRow {
     /// simulated models (their tokens mean nothing).
     pub agreement_with_reference: Option<f64>,
     pub ttft_ms_median: f64,
+    pub ttft_ms_p99: f64,
+    /// Gaps between consecutive tokens of a request.
+    pub itl_ms_median: f64,
+    pub itl_ms_p99: f64,
     pub latency_ms_median: f64,
+    /// Per model: the share of its positions taken from the prefix cache.
+    pub prefix_cached_share: Vec<(String, f64)>,
+    /// With `--long-prompt`: the largest gap of the other requests while the long prompt
+    /// was prefilled, over their median gap.
+    pub long_prompt_gap_ratio: Option<f64>,
+    /// `tokenrouter` mode: the tuner's eager check at the cell's end (each arm's smoothed
+    /// tokens/s and the arm in force).
+    pub controller: Option<ArmComparison>,
     pub per_model: Vec<ModelCell>,
 }
 
@@ -115,6 +140,8 @@ struct Snapshot {
     admissions: Vec<u64>,
     routed: Vec<Vec<u64>>,
     committed: Vec<Vec<u64>>,
+    tokens_processed: Vec<u64>,
+    hit_tokens: Vec<u64>,
 }
 
 impl Snapshot {
@@ -130,6 +157,8 @@ impl Snapshot {
             admissions: each(|m| m.admissions),
             routed,
             committed,
+            tokens_processed: each(|m| m.tokens_processed),
+            hit_tokens: each(|m| m.prefix_cache.hit_tokens),
         }
     }
 }
@@ -154,19 +183,15 @@ fn model_cells(names: &[String], before: &Snapshot, after: &Snapshot) -> Vec<Mod
         .collect()
 }
 
-/// The Markov model of the cell: routing and commits from the cell's route decisions, L(b)
-/// fitted to its steps, over the models it visited.
-fn predicted(
-    runtime: &Runtime,
-    mode: BenchMode,
-    n: usize,
-    timeout: Duration,
-    before: &Snapshot,
-    after: &Snapshot,
-) -> Option<f64> {
-    if mode == BenchMode::Runtime(ExecutionMode::Lockstep) {
-        return None;
-    }
+/// The cell's routing: the models it visited, their routing matrix and commits per
+/// transition, from its route decisions.
+struct CellRouting {
+    visited: Vec<usize>,
+    routing: Vec<Vec<f64>>,
+    commits: Vec<Vec<f64>>,
+}
+
+fn cell_routing(before: &Snapshot, after: &Snapshot) -> Option<CellRouting> {
     let m = before.routed.len();
     let delta = |a: &[Vec<u64>], b: &[Vec<u64>], i: usize, j: usize| (a[i][j] - b[i][j]) as f64;
     let visited: Vec<usize> = (0..m)
@@ -203,19 +228,68 @@ fn predicted(
                 .collect(),
         );
     }
-    let snapshot = runtime.snapshot();
-    let latency = visited
-        .iter()
-        .map(|&i| {
-            let samples: Vec<(usize, f64)> = snapshot.models[i]
-                .recent_steps
+    Some(CellRouting {
+        visited,
+        routing,
+        commits,
+    })
+}
+
+/// Where the cell's L(b) comes from.
+enum LatencySource<'a> {
+    /// Fitted to the cell's own steps.
+    CellSteps,
+    /// The models' configured step costs.
+    Profiles(&'a [Option<StepCost>]),
+}
+
+/// The Markov model's throughput for the cell.
+fn predicted(
+    runtime: &Runtime,
+    mode: BenchMode,
+    n: usize,
+    timeout: Duration,
+    (before, after): (&Snapshot, &Snapshot),
+    source: LatencySource,
+) -> Option<f64> {
+    if mode == BenchMode::Runtime(ExecutionMode::Lockstep) {
+        return None;
+    }
+    let CellRouting {
+        visited,
+        routing,
+        commits,
+    } = cell_routing(before, after)?;
+    let latency = match source {
+        LatencySource::CellSteps => {
+            let snapshot = runtime.snapshot();
+            visited
                 .iter()
-                .filter(|s| s.start >= before.at)
-                .map(|s| s.latency_sample())
-                .collect();
-            fit_latency(&samples, None)
-        })
-        .collect::<Option<Vec<_>>>()?;
+                .map(|&i| {
+                    let samples: Vec<(usize, f64)> = snapshot.models[i]
+                        .recent_steps
+                        .iter()
+                        .filter(|s| s.start >= before.at)
+                        .map(|s| s.latency_sample())
+                        .collect();
+                    fit_latency(&samples, None)
+                })
+                .collect::<Option<Vec<_>>>()?
+        }
+        LatencySource::Profiles(costs) => visited
+            .iter()
+            .map(|&i| {
+                let cost = costs.get(i).copied().flatten()?;
+                let rows = (after.rows[i] - before.rows[i]).max(1) as f64;
+                let tokens = (after.tokens_processed[i] - before.tokens_processed[i]) as f64;
+                let extra_per_row = (tokens - rows).max(0.0) / rows;
+                Some(AffineLatency {
+                    a_ms: cost.a_ms,
+                    c_ms: cost.c_ms + cost.prefill_ms_per_token.unwrap_or(0.0) * extra_per_row,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?,
+    };
     let delayed = mode == BenchMode::Runtime(ExecutionMode::Tokenrouter);
     let all_thresholds = runtime.thresholds();
     let thresholds: Vec<usize> = visited
@@ -243,6 +317,80 @@ struct Tally {
     outputs: Vec<(usize, Vec<u32>)>,
     ttft_ms: Vec<f64>,
     latency_ms: Vec<f64>,
+    /// Every inter-token gap: when it ended, and its length in ms.
+    gaps: Vec<(Instant, f64)>,
+    /// When the long prompt was sent and when its request ended.
+    long_prompt_window: Option<(Instant, Instant)>,
+}
+
+/// One request's tokens with their arrival times.
+struct Followed {
+    tokens: Vec<u32>,
+    routing: RoutingStats,
+    times: Vec<Instant>,
+}
+
+/// Reads a request's events to its end, timing each token.
+async fn follow(mut handle: RequestHandle) -> Result<Followed, RuntimeError> {
+    let (mut tokens, mut times) = (Vec::new(), Vec::new());
+    while let Some(event) = handle.events.recv().await {
+        match event {
+            RequestEvent::Token { id, .. } => {
+                tokens.push(id);
+                times.push(Instant::now());
+            }
+            RequestEvent::Finished { stats, .. } => {
+                return Ok(Followed {
+                    tokens,
+                    routing: stats,
+                    times,
+                })
+            }
+            RequestEvent::Failed { message, kind } => {
+                return Err(RuntimeError::failed(kind, message))
+            }
+        }
+    }
+    Err(RuntimeError::Disconnected)
+}
+
+/// A prompt of `tokens` tokens made of the workload's prompts, for the long-prompt probe.
+fn long_prompt(prompts: &[Vec<u32>], tokens: usize) -> Vec<u32> {
+    prompts
+        .iter()
+        .rev()
+        .flatten()
+        .copied()
+        .cycle()
+        .take(tokens)
+        .collect()
+}
+
+/// The largest gap ending while the long prompt ran, over the median of all gaps.
+fn long_prompt_gap_ratio(tally: &Tally) -> Option<f64> {
+    let (start, end) = tally.long_prompt_window?;
+    let mut all: Vec<f64> = tally.gaps.iter().map(|&(_, ms)| ms).collect();
+    if all.is_empty() {
+        return None;
+    }
+    let typical = median(&mut all);
+    let worst = tally
+        .gaps
+        .iter()
+        .filter(|&&(at, _)| at > start && at <= end)
+        .map(|&(_, ms)| ms)
+        .fold(0.0, f64::max);
+    Some(worst / typical)
+}
+
+/// The `q`-quantile (nearest rank) of a sample; 0 when empty.
+fn quantile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    values[rank - 1]
 }
 
 /// Fraction of the reference's positions where `output` has the same token.
@@ -264,7 +412,19 @@ async fn closed_loop(
     let ignore_eos = settings.workload.ignores_eos();
     let next = Rc::new(Cell::new(0usize));
     let tally = Rc::new(RefCell::new(Tally::default()));
-    let workers: Vec<_> = (0..concurrency)
+    let request =
+        move |prompt: Vec<u32>, policy: &str, max_tokens: usize, seed: u64| GenerateRequest {
+            prompt,
+            policy: Some(policy.to_string()),
+            max_tokens,
+            sampling: SamplingParams {
+                seed,
+                ..SamplingParams::greedy()
+            },
+            timeout: None,
+            ignore_eos,
+        };
+    let mut workers: Vec<_> = (0..concurrency)
         .map(|_| {
             let (runtime, prompts, next, tally) = (
                 runtime.clone(),
@@ -281,39 +441,37 @@ async fn closed_loop(
                         break;
                     }
                     next.set(i + 1);
-                    let request = GenerateRequest {
-                        prompt: prompts[i % prompts.len()].clone(),
-                        policy: Some(policy.clone()),
-                        max_tokens,
-                        sampling: SamplingParams {
-                            seed: i as u64,
-                            ..SamplingParams::greedy()
-                        },
-                        timeout: None,
-                        ignore_eos,
-                    };
-                    let result = match runtime.submit(request) {
-                        Ok(handle) => handle.collect().await,
-                        Err(e) => Err(e),
-                    };
+                    let prompt = prompts[i % prompts.len()].clone();
+                    let sent = Instant::now();
+                    let result =
+                        match runtime.submit(request(prompt, &policy, max_tokens, i as u64)) {
+                            Ok(handle) => follow(handle).await,
+                            Err(e) => Err(e),
+                        };
+                    let ended = Instant::now();
                     let mut t = tally.borrow_mut();
                     match result {
-                        Ok(c) => {
+                        Ok(f) => {
                             t.completed += 1;
-                            t.tokens += c.token_ids.len();
-                            t.handoffs += c.routing.handoffs;
+                            t.tokens += f.tokens.len();
+                            t.handoffs += f.routing.handoffs;
                             t.tokens_per_model
-                                .resize(c.routing.tokens_per_model.len(), 0);
+                                .resize(f.routing.tokens_per_model.len(), 0);
                             for (sum, n) in t
                                 .tokens_per_model
                                 .iter_mut()
-                                .zip(&c.routing.tokens_per_model)
+                                .zip(&f.routing.tokens_per_model)
                             {
                                 *sum += n;
                             }
-                            t.outputs.push((i, c.token_ids.clone()));
-                            t.ttft_ms.push(c.time_to_first_token.as_secs_f64() * 1e3);
-                            t.latency_ms.push(c.total.as_secs_f64() * 1e3);
+                            let first = f.times.first().copied().unwrap_or(ended);
+                            t.ttft_ms.push((first - sent).as_secs_f64() * 1e3);
+                            t.latency_ms.push((ended - sent).as_secs_f64() * 1e3);
+                            for pair in f.times.windows(2) {
+                                t.gaps
+                                    .push((pair[1], (pair[1] - pair[0]).as_secs_f64() * 1e3));
+                            }
+                            t.outputs.push((i, f.tokens));
                         }
                         Err(_) => t.failed += 1,
                     }
@@ -321,6 +479,21 @@ async fn closed_loop(
             })
         })
         .collect();
+    if let Some(length) = settings.long_prompt {
+        // Once every worker's request decodes, one long prompt arrives beside them.
+        let (runtime, tally, policy) = (runtime.clone(), tally.clone(), policy.to_string());
+        let prompt = long_prompt(&prompts, length);
+        workers.push(actix_rt::spawn(async move {
+            while tally.borrow().gaps.len() < 4 * concurrency {
+                actix_rt::time::sleep(Duration::from_millis(2)).await;
+            }
+            let sent = Instant::now();
+            if let Ok(handle) = runtime.submit(request(prompt, &policy, 1, 0)) {
+                let _ = follow(handle).await;
+                tally.borrow_mut().long_prompt_window = Some((sent, Instant::now()));
+            }
+        }));
+    }
     for w in workers {
         let _ = w.await;
     }
@@ -364,6 +537,7 @@ pub async fn run(
 ) -> Result<Vec<RoutingBenchRow>, RuntimeError> {
     let (config, policies) = with_sweep(config, settings)?;
     let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
+    let costs = config.step_costs()?;
     let mut runtimes = Vec::new();
     for &mode in &settings.modes {
         let runtime = Runtime::start(&config, Some(mode.execution_mode()))?;
@@ -414,6 +588,7 @@ pub async fn run(
                     let after = Snapshot::take(runtime);
                     let seconds = (after.at - before.at).as_secs_f64();
                     let med = |v: &mut Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
+                    let mut gaps: Vec<f64> = t.gaps.iter().map(|&(_, ms)| ms).collect();
                     let agreements: Vec<f64> = t
                         .outputs
                         .iter()
@@ -440,8 +615,16 @@ pub async fn run(
                             mode,
                             concurrency,
                             timeout,
-                            &before,
-                            &after,
+                            (&before, &after),
+                            LatencySource::CellSteps,
+                        ),
+                        predicted_from_profiles_tokens_per_s: predicted(
+                            runtime,
+                            mode,
+                            concurrency,
+                            timeout,
+                            (&before, &after),
+                            LatencySource::Profiles(&costs),
                         ),
                         handoffs_per_100_tokens: 100.0 * t.handoffs as f64 / t.tokens.max(1) as f64,
                         token_share: names
@@ -451,8 +634,23 @@ pub async fn run(
                             .collect(),
                         agreement_with_reference: (!agreements.is_empty())
                             .then(|| agreements.iter().sum::<f64>() / agreements.len() as f64),
+                        long_prompt_gap_ratio: long_prompt_gap_ratio(&t),
+                        controller: runtime.snapshot().controller,
                         ttft_ms_median: med(&mut t.ttft_ms),
+                        ttft_ms_p99: quantile(&mut t.ttft_ms, 0.99),
+                        itl_ms_median: quantile(&mut gaps, 0.5),
+                        itl_ms_p99: quantile(&mut gaps, 0.99),
                         latency_ms_median: med(&mut t.latency_ms),
+                        prefix_cached_share: names
+                            .iter()
+                            .enumerate()
+                            .map(|(i, name)| {
+                                let hits = (after.hit_tokens[i] - before.hit_tokens[i]) as f64;
+                                let computed =
+                                    (after.tokens_processed[i] - before.tokens_processed[i]) as f64;
+                                (name.clone(), hits / (hits + computed).max(1.0))
+                            })
+                            .collect(),
                         per_model: model_cells(&names, &before, &after),
                     });
                 }
@@ -468,16 +666,23 @@ pub async fn run(
     Ok(rows)
 }
 
+fn optional(value: Option<f64>, suffix: &str) -> String {
+    value.map_or("–".to_string(), |v| format!("{v:.1}{suffix}"))
+}
+
+fn shares(values: &[(String, f64)]) -> String {
+    values
+        .iter()
+        .map(|(name, s)| format!("{name} {:.0}%", s * 100.0))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "| policy | workload | mode | N | round | done | failed | tokens/s | predicted tok/s | token share | handoffs/100 tok | mean batch | admission ms | agreement | TTFT ms | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|\n",
+        "| policy | workload | mode | N | round | done | failed | tokens/s | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---:|---|---|---:|---:|\n",
     );
     for r in rows {
-        let share: Vec<String> = r
-            .token_share
-            .iter()
-            .map(|(name, s)| format!("{name} {:.0}%", s * 100.0))
-            .collect();
         let per_model = |f: fn(&ModelCell) -> f64, digits: usize| {
             r.per_model
                 .iter()
@@ -486,7 +691,7 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
                 .join(" / ")
         };
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} | {} | {:.0} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} / {} | {} | {:.1} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} / {:.1} | {} | {:.0} |\n",
             r.policy,
             serde_json::to_value(r.workload).map_or(String::new(), |v| v.as_str().unwrap_or("").to_string()),
             r.mode,
@@ -495,15 +700,19 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
             r.completed,
             r.failed,
             r.tokens_per_s,
-            r.predicted_tokens_per_s
-                .map_or("–".to_string(), |p| format!("{p:.1}")),
-            share.join(", "),
+            optional(r.predicted_tokens_per_s, ""),
+            optional(r.predicted_from_profiles_tokens_per_s, ""),
+            shares(&r.token_share),
             r.handoffs_per_100_tokens,
             per_model(|m| m.mean_batch, 2),
             per_model(|m| m.admission_delay_ms_mean, 1),
-            r.agreement_with_reference
-                .map_or("–".to_string(), |a| format!("{:.1}%", a * 100.0)),
+            shares(&r.prefix_cached_share),
+            optional(r.agreement_with_reference.map(|a| a * 100.0), "%"),
             r.ttft_ms_median,
+            r.ttft_ms_p99,
+            r.itl_ms_median,
+            r.itl_ms_p99,
+            optional(r.long_prompt_gap_ratio, "×"),
             r.latency_ms_median
         );
     }
@@ -511,8 +720,93 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
         let models: Vec<&str> = first.per_model.iter().map(|m| m.model.as_str()).collect();
         out += &format!("\nPer-model columns: {}.\n", models.join(" / "));
     }
+    out += &summary(rows);
     out += &ratios(rows);
     out
+}
+
+/// Medians over rounds per (policy, N, mode), with the rounds' spread, and `tokenrouter`
+/// against the other modes (ratios of the medians).
+pub fn summary(rows: &[RoutingBenchRow]) -> String {
+    let mut out = String::from(
+        "\n| policy | N | mode | rounds | tokens/s median (min–max) | predicted: cell L / profiles | TTFT p50 ms | ITL p50 / p99 ms | long-prompt gap |\n|---|---:|---|---:|---|---|---:|---|---:|\n",
+    );
+    let mut groups: Vec<(&str, usize)> = rows
+        .iter()
+        .map(|r| (r.policy.as_str(), r.concurrency))
+        .collect();
+    groups.sort();
+    groups.dedup();
+    let med = |mut v: Vec<f64>| (!v.is_empty()).then(|| median(&mut v));
+    let mut comparisons = String::new();
+    for (policy, n) in groups {
+        let mut modes: Vec<&str> = rows
+            .iter()
+            .filter(|r| r.policy == policy && r.concurrency == n)
+            .map(|r| r.mode)
+            .collect();
+        modes.dedup();
+        modes.sort();
+        modes.dedup();
+        let mut medians = Vec::new();
+        for mode in modes {
+            let cells: Vec<&RoutingBenchRow> = rows
+                .iter()
+                .filter(|r| r.policy == policy && r.concurrency == n && r.mode == mode)
+                .collect();
+            let pick = |f: fn(&RoutingBenchRow) -> Option<f64>| {
+                med(cells.iter().filter_map(|r| f(r)).collect())
+            };
+            let tps: Vec<f64> = cells.iter().map(|r| r.tokens_per_s).collect();
+            let (lo, hi) = tps
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let median_tps = med(tps.clone()).unwrap_or(0.0);
+            medians.push((mode, median_tps));
+            out += &format!(
+                "| {policy} | {n} | {mode} | {} | {median_tps:.1} ({lo:.1}–{hi:.1}) | {} / {} | {:.0} | {} / {} | {} |\n",
+                cells.len(),
+                optional(pick(|r| r.predicted_tokens_per_s), ""),
+                optional(pick(|r| r.predicted_from_profiles_tokens_per_s), ""),
+                pick(|r| Some(r.ttft_ms_median)).unwrap_or(0.0),
+                optional(pick(|r| Some(r.itl_ms_median)), ""),
+                optional(pick(|r| Some(r.itl_ms_p99)), ""),
+                optional(pick(|r| r.long_prompt_gap_ratio), "×"),
+            );
+        }
+        let Some(&(_, ours)) = medians.iter().find(|(m, _)| *m == "tokenrouter") else {
+            continue;
+        };
+        let checks: Vec<String> = rows
+            .iter()
+            .filter(|r| r.policy == policy && r.concurrency == n && r.mode == "tokenrouter")
+            .filter_map(|r| r.controller)
+            .map(|c| {
+                format!(
+                    "tuned {} / eager {} tok/s → {:?}",
+                    optional(c.tuned_tokens_per_s, ""),
+                    optional(c.eager_tokens_per_s, ""),
+                    c.choice
+                )
+            })
+            .collect();
+        if !checks.is_empty() {
+            comparisons += &format!(
+                "\n{policy}, N = {n}: the tuner's eager check at each round's end: {}\n",
+                checks.join("; ")
+            );
+        }
+        let against: Vec<String> = medians
+            .iter()
+            .filter(|(m, _)| *m != "tokenrouter")
+            .map(|(m, v)| format!("{m} {:.2}×", ours / v.max(1e-9)))
+            .collect();
+        comparisons += &format!(
+            "\n{policy}, N = {n}: `tokenrouter` median tokens/s over each mode's: {}\n",
+            against.join(", ")
+        );
+    }
+    out + &comparisons
 }
 
 /// Each cell's throughput relative to the same (policy, N, round) in `lockstep` (or the

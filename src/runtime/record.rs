@@ -4,6 +4,7 @@
 use super::core::{ReleaseReason, SchedulerCounters};
 use crate::engine::{KvUsage, PrefixCounters};
 use crate::telemetry::{BatcherMetrics, ModelMetrics};
+use crate::tuning::controller::ArmComparison;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -251,6 +252,8 @@ pub struct RuntimeSnapshot {
     /// Requests that have not ended yet.
     pub live_requests: usize,
     pub models: Vec<ModelSnapshot>,
+    /// `tokenrouter` mode with re-tuning: the tuned thresholds against eager launch.
+    pub controller: Option<ArmComparison>,
 }
 
 impl RuntimeSnapshot {

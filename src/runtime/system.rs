@@ -19,6 +19,7 @@ use crate::error::{ConfigError, EngineError};
 use crate::policy::registry::PolicyRegistry;
 use crate::policy::{PolicyKind, RequestInfo, RoutingState, SharedPolicy};
 use crate::telemetry;
+use crate::tuning::controller::ArmComparison;
 use crate::tuning::AffineLatency;
 use actix::prelude::*;
 use arc_swap::ArcSwap;
@@ -201,6 +202,8 @@ pub struct Runtime {
     batch_arbiter: Arbiter,
     /// The online tuner's thread (`tokenrouter` mode with re-tuning on).
     tuner_arbiter: Option<Arbiter>,
+    /// The tuner's eager check, as last published.
+    controller: Arc<Mutex<Option<ArmComparison>>>,
     /// Swapped whole at run time; a request keeps the policy it started with.
     policies: ArcSwap<PolicyRegistry>,
     /// The config the registry was built from; updates apply to it and are validated whole.
@@ -311,6 +314,7 @@ impl Runtime {
                 })
             })
             .collect();
+        let controller = Arc::new(Mutex::new(None));
         let tuner_arbiter = (mode == ExecutionMode::Tokenrouter
             && config.runtime.retune_interval_ms > 0)
             .then(|| {
@@ -324,10 +328,14 @@ impl Runtime {
                         .map(|p| p.map(|[a_ms, c_ms]| AffineLatency { a_ms, c_ms }))
                         .collect(),
                 };
-                let (recorders, live, batchers) =
-                    (recorders.clone(), live.clone(), batchers.clone());
+                let (recorders, live, batchers, published) = (
+                    recorders.clone(),
+                    live.clone(),
+                    batchers.clone(),
+                    controller.clone(),
+                );
                 TunerActor::start_in_arbiter(&arbiter.handle(), move |_| {
-                    TunerActor::new(settings, recorders, live, batchers)
+                    TunerActor::new(settings, recorders, live, batchers, published)
                 });
                 arbiter
             });
@@ -362,6 +370,7 @@ impl Runtime {
             slots,
             batch_arbiter,
             tuner_arbiter,
+            controller,
             policies: ArcSwap::from_pointee(policies),
             config: Mutex::new(config.clone()),
             hidden_sizes,
@@ -407,6 +416,7 @@ impl Runtime {
             mode: self.mode,
             live_requests: self.live.len(),
             models: self.recorders.iter().map(ModelRecorder::snapshot).collect(),
+            controller: *self.controller.lock().unwrap_or_else(|e| e.into_inner()),
         }
     }
 

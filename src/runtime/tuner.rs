@@ -1,16 +1,23 @@
 //! `TunerActor` (`tokenrouter` mode): re-estimates the routing matrix and each model's L(b)
 //! from the runtime's counters, solves the Markov model for the live request count N, and
 //! publishes the best thresholds B*(N) to the batchers. The batcher timeout still bounds
-//! every wait, so a poor estimate costs throughput, never liveness.
+//! every wait, and an `EagerCheck` runs those thresholds against eager launch in trial
+//! periods and keeps whichever measured faster, so a poor estimate costs throughput only
+//! during the trials.
 
 use super::batcher::BatcherActor;
 use super::live::LiveRequests;
 use super::messages::SetThreshold;
 use super::record::ModelRecorder;
+use crate::telemetry::ControllerMetrics;
+use crate::tuning::controller::{
+    thresholds_to_run, Arm, ArmComparison, EagerCheck, MIN_PREDICTED_GAIN,
+};
 use crate::tuning::online::{fit_latency, RoutingEstimate};
 use crate::tuning::{search, AffineLatency, DtmcModel};
 use actix::prelude::*;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Weight of the newest tuning period in the routing EWMA.
 const ROUTING_ALPHA: f64 = 0.3;
@@ -19,6 +26,8 @@ const LATENCY_SAMPLES: usize = 512;
 /// Time grid of the online model: coarser than the paper's 0.1 ms keeps the state space
 /// (and the solve) small; thresholds are integers, so the grid barely moves them.
 const ONLINE_DELTA_MS: f64 = 0.5;
+/// Periods the better arm runs between two trials of the eager check.
+const EXPLOIT_PERIODS: usize = 4;
 
 pub(crate) struct TunerSettings {
     pub interval: Duration,
@@ -35,6 +44,12 @@ pub(crate) struct TunerActor {
     live: LiveRequests,
     batchers: Vec<Addr<BatcherActor>>,
     routing: RoutingEstimate,
+    check: EagerCheck,
+    /// The comparison as the runtime's snapshot reads it.
+    published: Arc<Mutex<Option<ArmComparison>>>,
+    metrics: ControllerMetrics,
+    /// Committed tokens, live requests and time at the start of the current period.
+    period: (u64, usize, Instant),
 }
 
 impl TunerActor {
@@ -43,6 +58,7 @@ impl TunerActor {
         recorders: Vec<ModelRecorder>,
         live: LiveRequests,
         batchers: Vec<Addr<BatcherActor>>,
+        published: Arc<Mutex<Option<ArmComparison>>>,
     ) -> Self {
         let models = batchers.len();
         Self {
@@ -51,7 +67,44 @@ impl TunerActor {
             live,
             batchers,
             routing: RoutingEstimate::new(models, ROUTING_ALPHA),
+            check: EagerCheck::new(EXPLOIT_PERIODS),
+            published,
+            metrics: ControllerMetrics::new(),
+            period: (0, 0, Instant::now()),
         }
+    }
+
+    fn committed_tokens(&self) -> u64 {
+        self.recorders
+            .iter()
+            .map(|r| r.read(|m| m.committed_to.iter().sum::<u64>()))
+            .sum()
+    }
+
+    /// Closes the period that just ran: its throughput goes to the arm it ran. A period
+    /// whose live-request count differs from the last one's starts the comparison over
+    /// (throughputs at different loads do not compare); one that committed fewer tokens
+    /// than requests are live was mostly prefill and is left out.
+    fn close_period(&mut self) -> Arm {
+        let (tokens, live, now) = (self.committed_tokens(), self.live.len(), Instant::now());
+        let (start_tokens, start_live, start) =
+            std::mem::replace(&mut self.period, (tokens, live, now));
+        let seconds = (now - start).as_secs_f64();
+        if live != start_live || live == 0 || seconds <= 0.0 {
+            self.check.restart();
+            return self.check.running();
+        }
+        let committed = tokens - start_tokens;
+        if committed < live as u64 {
+            return self.check.running();
+        }
+        let ran = self.check.running();
+        let arm = self.check.period_ended(committed as f64, seconds);
+        tracing::debug!(?ran, committed, seconds, live, next = ?arm, "eager check period");
+        let comparison = self.check.comparison();
+        self.metrics.compared(&comparison);
+        *self.published.lock().unwrap_or_else(|e| e.into_inner()) = Some(comparison);
+        arm
     }
 
     /// The model as currently estimated, once every model has been observed.
@@ -89,21 +142,27 @@ impl TunerActor {
     }
 
     fn retune(&mut self) {
+        let arm = self.close_period();
         let Some(model) = self.estimate() else { return };
         let n = self.live.len().min(self.settings.max_requests);
         if n == 0 {
             return;
         }
-        match search(&model, n) {
-            Ok(results) => {
-                let Some((best, _)) = results.first() else {
+        let thresholds = match arm {
+            Arm::Eager => vec![1; self.batchers.len()],
+            Arm::Tuned => match search(&model, n) {
+                Ok(results) => match thresholds_to_run(&results, MIN_PREDICTED_GAIN) {
+                    Some(thresholds) => thresholds,
+                    None => return,
+                },
+                Err(e) => {
+                    tracing::warn!("online tuning skipped a period: {e}");
                     return;
-                };
-                for (batcher, &b) in self.batchers.iter().zip(best) {
-                    batcher.do_send(SetThreshold(b));
                 }
-            }
-            Err(e) => tracing::warn!("online tuning skipped a period: {e}"),
+            },
+        };
+        for (batcher, b) in self.batchers.iter().zip(thresholds) {
+            batcher.do_send(SetThreshold(b));
         }
     }
 }

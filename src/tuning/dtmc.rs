@@ -40,7 +40,7 @@ pub struct DtmcModel {
     pub timeout_ms: Vec<Option<f64>>,
 }
 
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Prediction {
     /// Committed tokens per second.
     pub throughput: f64,

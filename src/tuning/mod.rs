@@ -2,6 +2,7 @@
 //! residual time, timeout clock) states, solved for its stationary distribution to predict
 //! throughput and admission delay for delayed-batching thresholds, and the threshold search.
 
+pub mod controller;
 pub mod dtmc;
 pub mod online;
 pub mod paper;

@@ -89,6 +89,10 @@ impl KvOps for Box<dyn StepExecutor> {
     }
 }
 
+/// Rows of at most this many unseen tokens (a decode, a handoff's catch-up) are planned
+/// before prompts.
+const SHORT_ROW_TOKENS: usize = BLOCK_TOKENS;
+
 /// What the actor must do after a scheduler call, in order.
 pub(crate) enum Effect<C> {
     /// Stream a committed token to the client.
@@ -303,8 +307,8 @@ impl<C: Clone> ModelScheduler<C> {
     }
 
     /// The next step: which residents run and how many of their unseen tokens each appends
-    /// (decode rows first, then prompts and catch-ups in arrival order, within the token
-    /// budget and the KV). Effects are failures of requests the KV budget cannot hold alone.
+    /// (decode rows and catch-ups first, shortest first, then prompts in arrival order,
+    /// within the token budget and the KV). Effects are failures of requests the KV budget cannot hold alone.
     pub fn schedule(&mut self, kv: &mut impl KvOps) -> (StepPlan, Vec<Effect<C>>) {
         for rid in std::mem::take(&mut self.reattach) {
             if let Some(r) = self.resident.iter().position(|r| r.rid() == rid) {
@@ -355,8 +359,13 @@ impl<C: Clone> ModelScheduler<C> {
     /// Chooses the rows of the next step (see `schedule`), preempting pending requests where
     /// the KV they hold is needed.
     fn plan_rows(&mut self, kv: &mut impl KvOps) -> Vec<PlannedRow> {
+        // Short rows first, shortest first (decode, then handoff catch-ups, so a long
+        // prompt's chunks never hold them up); then prompts in arrival order.
         let mut order: Vec<usize> = (0..self.resident.len()).collect();
-        order.sort_by_key(|&i| self.resident[i].state.unseen(self.model).len() > 1);
+        order.sort_by_key(|&i| match self.resident[i].state.unseen(self.model).len() {
+            short @ ..=SHORT_ROW_TOKENS => (false, short),
+            _ => (true, 0),
+        });
         let mut budget = self.step_tokens.unwrap_or(usize::MAX);
         let mut reserved = 0;
         let mut rows: Vec<PlannedRow> = Vec::new();
@@ -849,6 +858,25 @@ mod tests {
             "no token before the whole prompt ran"
         );
         assert_eq!(s.counters().chunked_rows, 3);
+    }
+
+    #[test]
+    fn a_catch_up_is_not_held_up_by_a_long_prompt_that_came_first() {
+        let mut kv = KvStore::new(1024);
+        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, Some(8));
+        s.admit(&mut kv, request(1, &[5], 8), true);
+        let (_, effects) = step(&mut s, &mut kv, 6, &[Route::CommitThenSwitch(1)]);
+        s.admit(&mut kv, request(2, &tokens(100, 40), 8), true);
+        step(&mut s, &mut kv, 7, &[]);
+        // Request 1 returns with three tokens to catch up while request 2 is mid-prompt.
+        s.admit(&mut kv, elsewhere(handed_off(effects), &[8, 9]), true);
+        let (work, _) = step(&mut s, &mut kv, 7, &[]);
+        let sizes: Vec<usize> = work.iter().map(|w| w.tokens.len()).collect();
+        assert_eq!(
+            sizes,
+            vec![5, 3],
+            "the prompt's chunk gets what the catch-up leaves"
+        );
     }
 
     #[test]
