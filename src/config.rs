@@ -513,8 +513,9 @@ impl Config {
             .collect())
     }
 
-    /// Each model's step cost as configured: L(b) from `[tuning] latency_ms` or the step
-    /// profile, and the prefill cost per token where the profile measured it.
+    /// Each model's step cost as configured: L(b) from `[tuning] latency_ms`, a simulated
+    /// model's `latency_profile_ms` or the step profile, and the prefill cost per token where
+    /// the profile measured it.
     pub fn step_costs(&self) -> Result<Vec<Option<StepCost>>, ConfigError> {
         let configured = self.tuning.as_ref().map(|t| t.latency_ms.as_slice());
         self.models
@@ -527,9 +528,12 @@ impl Config {
                     .and_then(|p| p.prefill.as_ref())
                     .filter(|p| p.tokens_per_s > 0.0)
                     .map(|p| 1000.0 / p.tokens_per_s);
+                // A simulated model's profile is the one it sleeps by.
                 let latency = match configured.and_then(|c| c.get(i)) {
                     Some(&latency) => Some(latency),
-                    None => profile.map(|p| [p.fit.a_ms, p.fit.c_ms]),
+                    None => model
+                        .latency_profile_ms
+                        .or_else(|| profile.map(|p| [p.fit.a_ms, p.fit.c_ms])),
                 };
                 Ok(latency.map(|[a_ms, c_ms]| StepCost {
                     a_ms,

@@ -20,7 +20,7 @@ use tokenrouter::runtime::{
     RuntimeError,
 };
 use tokenrouter::tuning::controller::ArmComparison;
-use tokenrouter::tuning::online::fit_latency;
+use tokenrouter::tuning::online::fit_request_latency;
 use tokenrouter::tuning::{predict, AffineLatency, DtmcModel};
 
 /// Time grid of the per-cell predictions (as the online tuner).
@@ -102,7 +102,8 @@ pub struct RoutingBenchRow {
     pub seconds: f64,
     pub tokens_per_s: f64,
     /// The Markov model's throughput for this cell's measured routing, with L(b) fitted to
-    /// the cell's steps; none for `lockstep`, which it does not model.
+    /// the cell's steps (over the tokens they appended, see `fit_request_latency`); none for
+    /// `lockstep`, which it does not model.
     pub predicted_tokens_per_s: Option<f64>,
     /// The same with L(b) from the models' step profiles (as `tokenrouter tune` uses them),
     /// each prompt or catch-up token beyond a row's first priced at the profile's prefill
@@ -266,13 +267,13 @@ fn predicted(
             visited
                 .iter()
                 .map(|&i| {
-                    let samples: Vec<(usize, f64)> = snapshot.models[i]
+                    let samples: Vec<(usize, usize, f64)> = snapshot.models[i]
                         .recent_steps
                         .iter()
                         .filter(|s| s.start >= before.at)
-                        .map(|s| s.latency_sample())
+                        .map(|s| s.request_sample())
                         .collect();
-                    fit_latency(&samples, None)
+                    fit_request_latency(&samples, None)
                 })
                 .collect::<Option<Vec<_>>>()?
         }

@@ -197,14 +197,12 @@ impl ModelActor {
                 self.report_idle();
             }
             Ok(Ok(outputs)) => {
-                self.recorder.step(
-                    StepInterval {
-                        start,
-                        end,
-                        batch: plan.work.len(),
-                    },
+                self.recorder.step(StepInterval {
+                    start,
+                    end,
+                    batch: plan.work.len(),
                     tokens,
-                );
+                });
                 self.apply(&plan, &outputs);
                 self.report_idle();
             }

@@ -17,13 +17,22 @@ const STEP_LOG_CAPACITY: usize = 4096;
 pub struct StepInterval {
     pub start: Instant,
     pub end: Instant,
+    /// Rows (requests) in the step.
     pub batch: usize,
+    /// Tokens the rows appended.
+    pub tokens: usize,
 }
 
 impl StepInterval {
     /// `(batch, milliseconds)`: a sample for fitting L(b).
     pub fn latency_sample(&self) -> (usize, f64) {
         (self.batch, (self.end - self.start).as_secs_f64() * 1e3)
+    }
+
+    /// `(rows, tokens, milliseconds)`: a sample for `fit_request_latency`.
+    pub fn request_sample(&self) -> (usize, usize, f64) {
+        let (batch, ms) = self.latency_sample();
+        (batch, self.tokens, ms)
     }
 }
 
@@ -159,7 +168,8 @@ impl ModelRecorder {
         })
     }
 
-    pub fn step(&self, interval: StepInterval, tokens: usize) {
+    pub fn step(&self, interval: StepInterval) {
+        let tokens = interval.tokens;
         let seconds = (interval.end - interval.start).as_secs_f64();
         self.model_metrics.step(seconds, interval.batch);
         self.with(|r| {

@@ -13,8 +13,8 @@ use crate::telemetry::ControllerMetrics;
 use crate::tuning::controller::{
     thresholds_to_run, Arm, ArmComparison, EagerCheck, MIN_PREDICTED_GAIN,
 };
-use crate::tuning::online::{fit_latency, RoutingEstimate};
-use crate::tuning::{search, AffineLatency, DtmcModel};
+use crate::tuning::online::{fit_request_latency, RoutingEstimate};
+use crate::tuning::{search_bounded, AffineLatency, DtmcModel};
 use actix::prelude::*;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,7 +25,13 @@ const ROUTING_ALPHA: f64 = 0.3;
 const LATENCY_SAMPLES: usize = 512;
 /// Time grid of the online model: coarser than the paper's 0.1 ms keeps the state space
 /// (and the solve) small; thresholds are integers, so the grid barely moves them.
-const ONLINE_DELTA_MS: f64 = 0.5;
+const ONLINE_DELTA_MS: f64 = 1.0;
+/// Largest threshold the online search tries.
+const ONLINE_MAX_THRESHOLD: usize = 4;
+/// Periods a threshold choice is kept before the model is solved again (for an unchanged
+/// live-request count). The solve takes CPU from the models on a small machine: at
+/// δ = 0.5 ms and thresholds up to N = 8 it took ~1.7 s of a core per period.
+const RESOLVE_PERIODS: usize = 20;
 /// Periods the better arm runs between two trials of the eager check.
 const EXPLOIT_PERIODS: usize = 4;
 
@@ -50,6 +56,8 @@ pub(crate) struct TunerActor {
     metrics: ControllerMetrics,
     /// Committed tokens, live requests and time at the start of the current period.
     period: (u64, usize, Instant),
+    /// The last choice: for which N, the thresholds, and periods since.
+    solved: Option<(usize, Vec<usize>, usize)>,
 }
 
 impl TunerActor {
@@ -71,6 +79,7 @@ impl TunerActor {
             published,
             metrics: ControllerMetrics::new(),
             period: (0, 0, Instant::now()),
+            solved: None,
         }
     }
 
@@ -123,12 +132,12 @@ impl TunerActor {
             .iter()
             .zip(&self.settings.latency_prior)
             .map(|(m, prior)| {
-                let samples: Vec<(usize, f64)> = m
+                let samples: Vec<(usize, usize, f64)> = m
                     .recent_steps(LATENCY_SAMPLES)
                     .iter()
-                    .map(|s| s.latency_sample())
+                    .map(|s| s.request_sample())
                     .collect();
-                fit_latency(&samples, *prior)
+                fit_request_latency(&samples, *prior)
             })
             .collect::<Option<Vec<_>>>()?;
         let models = latency.len();
@@ -143,26 +152,50 @@ impl TunerActor {
 
     fn retune(&mut self) {
         let arm = self.close_period();
-        let Some(model) = self.estimate() else { return };
         let n = self.live.len().min(self.settings.max_requests);
         if n == 0 {
             return;
         }
         let thresholds = match arm {
             Arm::Eager => vec![1; self.batchers.len()],
-            Arm::Tuned => match search(&model, n) {
-                Ok(results) => match thresholds_to_run(&results, MIN_PREDICTED_GAIN) {
-                    Some(thresholds) => thresholds,
-                    None => return,
-                },
-                Err(e) => {
-                    tracing::warn!("online tuning skipped a period: {e}");
-                    return;
-                }
+            Arm::Tuned => match self.tuned_thresholds(n) {
+                Some(thresholds) => thresholds,
+                None => return,
             },
         };
+        tracing::debug!(?arm, n, ?thresholds, "thresholds");
         for (batcher, b) in self.batchers.iter().zip(thresholds) {
             batcher.do_send(SetThreshold(b));
+        }
+    }
+
+    /// The Markov model's thresholds for N live requests, solved again every
+    /// `RESOLVE_PERIODS` periods or when N changes.
+    fn tuned_thresholds(&mut self, n: usize) -> Option<Vec<usize>> {
+        let model = self.estimate()?;
+        if let Some((solved_n, thresholds, age)) = &mut self.solved {
+            if *solved_n == n && *age < RESOLVE_PERIODS {
+                *age += 1;
+                return Some(thresholds.clone());
+            }
+        }
+        let started = Instant::now();
+        let searched = search_bounded(&model, n, ONLINE_MAX_THRESHOLD);
+        tracing::debug!(
+            n,
+            seconds = started.elapsed().as_secs_f64(),
+            "threshold search"
+        );
+        match searched {
+            Ok(results) => {
+                let thresholds = thresholds_to_run(&results, MIN_PREDICTED_GAIN)?;
+                self.solved = Some((n, thresholds.clone(), 0));
+                Some(thresholds)
+            }
+            Err(e) => {
+                tracing::warn!("online tuning skipped a period: {e}");
+                None
+            }
         }
     }
 }

@@ -388,7 +388,18 @@ fn stationary(transitions: &[Vec<(usize, f64)>]) -> Result<Vec<f64>, TuneError> 
 /// Every feasible threshold vector (Σ(B_i − 1) < N unless every model has a timeout),
 /// with its prediction, best first.
 pub fn search(model: &DtmcModel, n: usize) -> Result<Vec<(Vec<usize>, Prediction)>, TuneError> {
+    search_bounded(model, n, n)
+}
+
+/// `search` over thresholds of at most `max_threshold` (the online tuner's budget: each
+/// candidate is a solve).
+pub fn search_bounded(
+    model: &DtmcModel,
+    n: usize,
+    max_threshold: usize,
+) -> Result<Vec<(Vec<usize>, Prediction)>, TuneError> {
     let m = model.latency.len();
+    let limit = max_threshold.clamp(1, n.max(1));
     let mut results = Vec::new();
     let mut candidate = vec![1usize; m];
     loop {
@@ -397,7 +408,7 @@ pub fn search(model: &DtmcModel, n: usize) -> Result<Vec<(Vec<usize>, Prediction
             Err(TuneError::Deadlock(..)) => {}
             Err(e) => return Err(e),
         }
-        let Some(i) = (0..m).find(|&i| candidate[i] < n) else {
+        let Some(i) = (0..m).find(|&i| candidate[i] < limit) else {
             break;
         };
         candidate[i] += 1;

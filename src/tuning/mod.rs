@@ -7,4 +7,4 @@ pub mod dtmc;
 pub mod online;
 pub mod paper;
 
-pub use dtmc::{predict, search, AffineLatency, DtmcModel, Prediction, TuneError};
+pub use dtmc::{predict, search, search_bounded, AffineLatency, DtmcModel, Prediction, TuneError};

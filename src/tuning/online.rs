@@ -121,9 +121,53 @@ pub fn fit_latency(
     })
 }
 
+/// L(b) per request-step from `(rows, tokens, ms)` step samples: least squares a + c_t·tokens,
+/// then c = c_t × the mean tokens per row. A row appends its unseen tokens (a prompt chunk, a
+/// handoff's catch-up), not one; a fit over rows alone charges that work to the intercept,
+/// which makes waiting for a fuller batch look cheaper than it is. The prior (per decode row)
+/// is converted the same way.
+pub fn fit_request_latency(
+    samples: &[(usize, usize, f64)],
+    prior: Option<AffineLatency>,
+) -> Option<AffineLatency> {
+    let rows: usize = samples.iter().map(|s| s.0).sum();
+    let tokens: usize = samples.iter().map(|s| s.1).sum();
+    if rows == 0 {
+        return prior;
+    }
+    let per_row = tokens as f64 / rows as f64;
+    let prior_per_token = prior.map(|p| AffineLatency {
+        a_ms: p.a_ms,
+        c_ms: p.c_ms / per_row,
+    });
+    let by_tokens: Vec<(usize, f64)> = samples.iter().map(|&(_, t, ms)| (t, ms)).collect();
+    let fit = fit_latency(&by_tokens, prior_per_token)?;
+    Some(AffineLatency {
+        a_ms: fit.a_ms,
+        c_ms: fit.c_ms * per_row,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_step_is_priced_by_the_tokens_its_rows_append() {
+        // L = 5 + 2·tokens; one-row steps that carry prompt chunks, and decode steps.
+        let steps = [(1, 1), (1, 20), (2, 2), (4, 4), (1, 30), (8, 8)];
+        let samples: Vec<(usize, usize, f64)> = steps
+            .iter()
+            .map(|&(rows, tokens)| (rows, tokens, 5.0 + 2.0 * tokens as f64))
+            .collect();
+        let fit = fit_request_latency(&samples, None).unwrap();
+        let per_row = 65.0 / 17.0;
+        assert!((fit.a_ms - 5.0).abs() < 1e-9, "{fit:?}");
+        assert!((fit.c_ms - 2.0 * per_row).abs() < 1e-9, "{fit:?}");
+        // By rows, the chunks land in the intercept.
+        let by_rows: Vec<(usize, f64)> = samples.iter().map(|&(r, _, ms)| (r, ms)).collect();
+        assert!(fit_latency(&by_rows, None).unwrap().a_ms > 20.0);
+    }
 
     #[test]
     fn routing_estimate_waits_for_samples_then_smooths() {
