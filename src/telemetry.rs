@@ -240,12 +240,17 @@ pub struct ControllerMetrics {
 }
 
 impl ControllerMetrics {
+    /// Every gauge starts at 0 (exported before the first comparison).
     pub fn new() -> Self {
-        Self {
+        let metrics = Self {
             tuned: gauge!(CONTROLLER_TOKENS_PER_SECOND, "arm" => "tuned"),
             eager: gauge!(CONTROLLER_TOKENS_PER_SECOND, "arm" => "eager"),
             eager_chosen: gauge!(CONTROLLER_EAGER_CHOSEN),
+        };
+        for gauge in [&metrics.tuned, &metrics.eager, &metrics.eager_chosen] {
+            gauge.set(0.0);
         }
+        metrics
     }
 
     pub fn compared(&self, comparison: &ArmComparison) {

@@ -24,6 +24,16 @@ fn load(path: &std::path::Path) -> Executor {
     Executor::load(&common::model_config("tiny", path)).unwrap()
 }
 
+/// A tiny llama in Q8_0, written into `dir` and loaded.
+fn tiny_llama(dir: &std::path::Path) -> Executor {
+    let path = common::write_gguf(
+        &dir.join("m.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::Q8_0,
+    );
+    load(&path)
+}
+
 /// Logits at every position of `tokens`, fed one token per step.
 fn logits_per_position(executor: &mut Executor, seq: u64, tokens: &[u32]) -> Vec<Vec<f32>> {
     let out = tokens
@@ -248,12 +258,7 @@ fn kv_usage_returns_to_zero_and_exhaustion_is_a_typed_error() {
 #[test]
 fn a_sequence_on_a_cached_prefix_computes_exactly_what_a_full_prefill_does() {
     let dir = tempfile::tempdir().unwrap();
-    let path = common::write_gguf(
-        &dir.path().join("m.gguf"),
-        &TinySpec::new(Arch::Llama),
-        GgmlDType::Q8_0,
-    );
-    let mut executor = load(&path);
+    let mut executor = tiny_llama(dir.path());
     let long = prompt(45, 7);
     let full = executor.step(&[work(1, long.clone())]).unwrap().remove(0);
     executor.free(SeqId(1));
@@ -291,12 +296,7 @@ fn a_sequence_on_a_cached_prefix_computes_exactly_what_a_full_prefill_does() {
 #[test]
 fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
     let dir = tempfile::tempdir().unwrap();
-    let path = common::write_gguf(
-        &dir.path().join("m.gguf"),
-        &TinySpec::new(Arch::Llama),
-        GgmlDType::Q8_0,
-    );
-    let mut executor = load(&path);
+    let mut executor = tiny_llama(dir.path());
     let run = |executor: &mut Executor, seed: u64| -> Vec<u32> {
         let params = SamplingParams {
             temperature: 1.5,
