@@ -265,9 +265,16 @@ impl KvStore {
     }
 
     fn remove_cached(&mut self, id: BlockId) {
-        let block = self.blocks[id as usize].take().expect("a cached block");
-        self.evictable.remove(&(block.released_at, id));
+        let released_at = self.block(id).released_at;
+        self.evictable.remove(&(released_at, id));
         self.counters.evictions += 1;
+        self.drop_block(id);
+    }
+
+    /// Frees a block nobody references: out of the index, its slot back to the free list,
+    /// and the cached blocks after it (no lookup could reach them any more) evicted.
+    fn drop_block(&mut self, id: BlockId) {
+        let block = self.blocks[id as usize].take().expect("a live block");
         self.unlink(id, block.parent);
         self.free_slots.push(id);
         for child in self.children.remove(&block.node).unwrap_or_default() {
@@ -300,15 +307,7 @@ impl KvStore {
             block.released_at = clock;
             self.evictable.insert((clock, id));
         } else {
-            let (parent, node) = (block.parent, block.node);
-            self.blocks[id as usize] = None;
-            self.unlink(id, parent);
-            self.free_slots.push(id);
-            for child in self.children.remove(&node).unwrap_or_default() {
-                if self.block(child).refs == 0 {
-                    self.remove_cached(child);
-                }
-            }
+            self.drop_block(id);
         }
     }
 
@@ -328,10 +327,13 @@ impl KvStore {
         let Some(table) = self.seqs.get(&seq) else {
             return;
         };
-        let (start, ids) = (table.len, table.blocks.clone());
+        let start = table.len;
+        let first_block = start / BLOCK_TOKENS;
+        let touched =
+            table.blocks[first_block..(start + tokens.len()).div_ceil(BLOCK_TOKENS)].to_vec();
         for (offset, &token) in tokens.iter().enumerate() {
             let position = start + offset;
-            let id = ids[position / BLOCK_TOKENS];
+            let id = touched[position / BLOCK_TOKENS - first_block];
             let block = self.block_mut(id);
             debug_assert_eq!(block.tokens.len(), position % BLOCK_TOKENS);
             block.tokens.push(token);
@@ -367,22 +369,10 @@ impl KvStore {
         self.seqs.get_mut(&seq).expect("inserted").blocks = full;
         let mut copy = None;
         if let Some((from, positions)) = partial {
-            // Pinned while its copy is allocated, so that allocation cannot evict it.
-            self.retain(from);
-            if let Some(to) = self.allocate(self.tail_node(seq)) {
-                let prefix = self.block(from).tokens[..positions].to_vec();
-                self.seqs.get_mut(&seq).expect("inserted").blocks.push(to);
-                self.block_mut(to).tokens = prefix;
-                let parent = self.block(to).parent;
-                self.children.entry(parent).or_default().push(to);
+            copy = self.append_copy(seq, from, positions);
+            if copy.is_some() {
                 matched += positions;
-                copy = Some(BlockCopy {
-                    from,
-                    to,
-                    positions,
-                });
             }
-            self.release(from);
         }
         self.seqs.get_mut(&seq).expect("inserted").len = matched;
         if matched > 0 {
@@ -390,6 +380,31 @@ impl KvStore {
             self.counters.hit_tokens += matched as u64;
         }
         (matched, copy)
+    }
+
+    /// Appends to `seq` a private block holding the first `positions` tokens of block `from`
+    /// (pinned meanwhile, so the allocation cannot evict it); returns the copy the backend
+    /// must make, or `None` when no block is left for it.
+    fn append_copy(&mut self, seq: SeqId, from: BlockId, positions: usize) -> Option<BlockCopy> {
+        self.retain(from);
+        let parent = self.tail_node(seq);
+        let copy = self.allocate(parent).map(|to| {
+            let prefix = self.block(from).tokens[..positions].to_vec();
+            self.block_mut(to).tokens = prefix;
+            self.children.entry(parent).or_default().push(to);
+            self.seqs
+                .get_mut(&seq)
+                .expect("a live sequence")
+                .blocks
+                .push(to);
+            BlockCopy {
+                from,
+                to,
+                positions,
+            }
+        });
+        self.release(from);
+        copy
     }
 
     /// Full blocks matching `tokens` from the start, then the block (if any) sharing the
@@ -457,19 +472,7 @@ impl KvStore {
             return (len, None);
         }
         self.seqs.get_mut(&seq).expect("checked").blocks.pop();
-        let parent = self.tail_node(seq);
-        // The full block stays pinned while its replacement is allocated.
-        let copy = self.allocate(parent).map(|to| {
-            let prefix = self.block(last).tokens[..within].to_vec();
-            self.block_mut(to).tokens = prefix;
-            self.children.entry(parent).or_default().push(to);
-            self.seqs.get_mut(&seq).expect("checked").blocks.push(to);
-            BlockCopy {
-                from: last,
-                to,
-                positions: within,
-            }
-        });
+        let copy = self.append_copy(seq, last, within);
         self.release(last);
         let kept = if copy.is_some() { len } else { len - within };
         self.seqs.get_mut(&seq).expect("checked").len = kept;

@@ -69,14 +69,19 @@ impl KvBlocks {
         &self.blocks[id as usize][at..at + self.plane()]
     }
 
-    /// Carries out a copy the block manager asked for.
+    /// Carries out a copy the block manager asked for (only the positions it names, in
+    /// every layer).
     pub fn copy(&mut self, copy: BlockCopy) {
         let rows = copy.positions * self.kv_dim;
-        let source = self.block_mut(copy.from).to_vec();
         let offsets: Vec<usize> = (0..self.layers)
             .flat_map(|layer| [self.offset(layer, 0), self.offset(layer, 1)])
             .collect();
-        let target = self.block_mut(copy.to);
+        self.block_mut(copy.to);
+        self.block_mut(copy.from);
+        let [source, target] = self
+            .blocks
+            .get_disjoint_mut([copy.from as usize, copy.to as usize])
+            .expect("two distinct allocated blocks");
         for at in offsets {
             target[at..at + rows].copy_from_slice(&source[at..at + rows]);
         }

@@ -242,7 +242,7 @@ impl Runtime {
                 .map(|t| t.eos.clone())
                 .unwrap_or_default(),
         );
-        let executors = config
+        let mut executors = config
             .models
             .iter()
             .map(|m| -> Result<Box<dyn StepExecutor>, RuntimeError> {
@@ -254,7 +254,6 @@ impl Runtime {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let mut executors = executors;
         for executor in &mut executors {
             executor
                 .kv_mut()
