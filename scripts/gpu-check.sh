@@ -1,63 +1,133 @@
 #!/usr/bin/env bash
 # The GPU issue's checks as one prepared run on a lent GPU machine (the `device` tool). That
-# machine has the NVIDIA driver and CUDA toolkit (NVRTC, cuBLAS) but no Rust and no network,
-# and a call carries at most 64 MiB, less than the model (94 MiB). So:
+# machine has the NVIDIA driver and a CUDA toolkit (NVRTC, cuBLAS) but no Rust and no network,
+# and a call carries at most 64 MiB, less than the binaries and the model (94 MiB) together. So:
 #
 #   here:            bash scripts/gpu-check.sh prepare
-#                    (release build with --features cuda, and the model split in two, in .gpu/)
-#   device call 1:   carry [".gpu/tokenrouter.gz", ".gpu/model.part-aa", ".gpu/model.sha256"]
+#                    (release builds with --features cuda: the binary and the GPU test binary,
+#                    and the model split in two, in .gpu/; it prints the two calls' carry lists)
+#   device call 1:   carry [".gpu/tokenrouter.gz", ".gpu/cuda-tests.gz", ".gpu/model.part-aa",
+#                           ".gpu/model.sha256"]
 #                    command: bash scripts/gpu-check.sh receive
-#   device call 2:   carry [".gpu/model.part-ab"]  (at once: the machine must still be warm)
+#                    (unpacks, then runs tests/cuda.rs on the GPU: tiny models in every weight
+#                    format against the CPU, batched == unbatched, forks, KV back to 0)
+#   device call 2:   carry [".gpu/model.part-ab"]  (at once: a machine stays warm for 30 s)
 #                    command: bash scripts/gpu-check.sh run
+#                    (the real model: parity with the CPU, `bench engine` B = 1…64, and
+#                    `bench routing` with both models on the GPU beside the paper-setting
+#                    simulation)
 #
-# `run` writes into $OUT: the GPU's name, greedy parity with the CPU executor (64 tokens, 3
-# prompts), `bench engine` on the GPU, and one `bench routing` ablation with both models on it.
+# Every check runs even if an earlier one fails; the exit status says whether all passed. The
+# reports land in $OUT (the device tool brings them back) or /tmp/gpu-check-out.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 stash=/tmp/tokenrouter-gpu
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+out="${OUT:-/tmp/gpu-check-out}"
+# What one call may carry, less the working tree and a margin.
+carry_limit=$((60 * 1024 * 1024))
+
+# NVRTC and cuBLAS from the toolkit (12.x or 13.x: the APIs used are stable). cudarc opens
+# `libnvrtc.so` / `libcublas.so` or the `.so.12` names, so a toolkit that only has `.so.13`
+# (the pip wheels) gets links under those names in $stash/lib.
+libraries() {
+    mkdir -p "$stash/lib"
+    local lib found
+    for lib in nvrtc cublas cublasLt; do
+        found="$(find /usr/local/cuda/lib64/ /usr/local/cuda*/ /opt /usr/lib -name "lib$lib.so*" \
+            2>/dev/null | head -1 || true)"
+        if [ -z "$found" ]; then
+            echo "lib$lib.so not found" >&2
+            continue
+        fi
+        export LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        [ -e "$(dirname "$found")/lib$lib.so" ] || ln -sf "$found" "$stash/lib/lib$lib.so"
+    done
+    export LD_LIBRARY_PATH="$stash/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+}
 
 case "${1:-}" in
 prepare)
     bash scripts/fetch-model.sh
     cargo build --release --features cuda
+    tests="$(cargo test --release --features cuda --test cuda --no-run --message-format=json \
+        | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])' | tail -1)"
     rm -rf .gpu && mkdir -p .gpu
     strip -o .gpu/tokenrouter target/release/tokenrouter
-    gzip -9 .gpu/tokenrouter
-    split -n 2 "$model" .gpu/model.part-
+    strip -o .gpu/cuda-tests "$tests"
+    gzip -9 .gpu/tokenrouter .gpu/cuda-tests
+    tree_bytes="$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)"
+    binaries="$(du -cb .gpu/tokenrouter.gz .gpu/cuda-tests.gz | tail -1 | cut -f1)"
+    first=$((carry_limit - tree_bytes - binaries))
+    model_bytes="$(stat -c %s "$model")"
+    if [ "$first" -le $((model_bytes - carry_limit + tree_bytes)) ]; then
+        echo "the binaries ($binaries bytes) leave too little room for half the model" >&2
+        exit 1
+    fi
+    split -b "$first" "$model" .gpu/model.part-
     sha256sum "$model" | cut -d' ' -f1 > .gpu/model.sha256
     ls -l .gpu
-    du -cb .gpu/tokenrouter.gz .gpu/model.part-aa | tail -1   # call 1 carries this (< 64 MiB)
+    echo 'call 1 carry: [".gpu/tokenrouter.gz", ".gpu/cuda-tests.gz", ".gpu/model.part-aa", ".gpu/model.sha256"]'
+    echo 'call 2 carry: [".gpu/model.part-ab"]'
     ;;
 receive)
-    mkdir -p "$stash"
+    rm -rf "$stash" && mkdir -p "$stash" "$out"
     gunzip -c .gpu/tokenrouter.gz > "$stash/tokenrouter"
-    chmod +x "$stash/tokenrouter"
+    gunzip -c .gpu/cuda-tests.gz > "$stash/cuda-tests"
+    chmod +x "$stash/tokenrouter" "$stash/cuda-tests"
     cp .gpu/model.part-aa .gpu/model.sha256 "$stash/"
-    ls -l "$stash"
+    {
+        nvidia-smi -L
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+        ls -d /usr/local/cuda*/
+        lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-400
+    } 2>&1 | tee "$out/gpu.txt" || true
+    libraries | tee -a "$out/gpu.txt"
+    set +e
+    TOKENROUTER_REQUIRE_GPU=1 TOKENROUTER_REQUIRE_NVRTC=1 "$stash/cuda-tests" --test-threads=1 \
+        --nocapture 2>&1 | tee "$out/cuda-tests.txt"
+    status=${PIPESTATUS[0]}
+    echo "cuda tests exit status $status" | tee -a "$out/cuda-tests.txt"
+    exit "$status"
     ;;
 run)
+    [ -x "$stash/tokenrouter" ] || {
+        echo "nothing received: this is a fresh machine; run call 1 (receive) first" >&2
+        exit 3
+    }
     cp .gpu/model.part-ab "$stash/"
-    mkdir -p models
+    mkdir -p models "$out"
     cat "$stash"/model.part-* > "$model"
     echo "$(cat "$stash/model.sha256")  $model" | sha256sum --check
-    # NVRTC and cuBLAS from the toolkit (any 12.x or 13.x: the APIs used are stable).
-    nvrtc="$(find /usr/local /opt -name 'libnvrtc.so*' 2>/dev/null | head -1)"
-    for dir in /usr/local/cuda/lib64 ${nvrtc:+"$(dirname "$nvrtc")"}; do
-        if [ -d "$dir" ]; then export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
-    done
+    libraries > /dev/null
     bin="$stash/tokenrouter"
-    out="${OUT:-/tmp/gpu-check-out}"
-    mkdir -p "$out"
-    nvidia-smi -L | tee "$out/gpu.txt"
-    # Each check runs even if an earlier one fails; the exit status says whether all passed.
     status=0
-    "$bin" bench parity --model smollm2-135m --device cuda:0 --tokens 64 2>&1 \
-        | tee "$out/parity.md" || status=1
-    "$bin" bench engine --model smollm2-135m --device cuda:0 --batch 1,2,4,8,16,32 2>&1 \
+    # The gate: the real model dequantized to f32 on both sides. Then, for the record, the
+    # shipped Q4_1 weights (8-bit activations) on the GPU, and the same rule between two of
+    # this project's CPU kernels on this machine's CPU: the variation rounding alone causes.
+    "$bin" bench parity --config config/dense-pair.toml --model smollm2-135m-f32 \
+        --device cuda:0 --tokens 64 2>&1 | tee "$out/parity.md" || status=1
+    {
+        echo
+        "$bin" bench parity --model smollm2-135m --device cuda:0 --tokens 64 || true
+        echo
+        "$bin" bench parity --model smollm2-135m --device cpu --reference-kernel portable \
+            --tokens 64 || true
+    } 2>&1 | tee -a "$out/parity.md"
+    "$bin" bench engine --model smollm2-135m --device cuda:0 --batch 1,2,4,8,16,32,64 2>&1 \
         | tee "$out/engine-gpu.md" || status=1
-    "$bin" bench routing --device cuda:0 --policy r2r --mode standard,tokenrouter \
-        --concurrency 8 --requests 16 --max-tokens 32 2>&1 | tee "$out/routing-gpu.md" || status=1
+    "$bin" bench engine --model smollm2-135m-skip7 --device cuda:0 --batch 1,8,64 2>&1 \
+        | tee "$out/engine-gpu-skip7.md" || status=1
+    "$bin" bench routing --device cuda:0 --policy r2r --concurrency 8 --workload long \
+        --max-tokens 64 --requests 32 --rounds 2 2>&1 | tee "$out/routing-gpu.md" || status=1
+    "$bin" bench routing --config config/paper-sim.toml --policy r2r --concurrency 8 \
+        --workload long --max-tokens 64 --requests 32 2>&1 | tee "$out/routing-paper-sim.md" \
+        || status=1
     exit $status
     ;;
 *)

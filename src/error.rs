@@ -42,6 +42,8 @@ pub enum EngineError {
     InvalidStep(String),
     #[error("this CPU lacks {0}; the binary is built for x86-64-v3 (AVX2 + FMA)")]
     UnsupportedCpu(&'static str),
+    #[error("this CPU cannot run the `{0}` kernel (it runs: {1})")]
+    UnavailableKernel(&'static str, String),
     #[error("GPU: {0}")]
     Gpu(String),
     #[error("tensor backend: {0}")]

@@ -224,6 +224,8 @@ fn bench_parity_compares_devices_and_names_a_device_it_cannot_use() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["all_match"], true, "{report}");
+    assert_eq!(report["passed"], true, "{report}");
+    assert_eq!(report["forced_agreement"], 1.0, "{report}");
     assert_eq!(report["prompts"].as_array().unwrap().len(), 3, "{report}");
     assert_eq!(report["candidate"], "large@cpu");
 

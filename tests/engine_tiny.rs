@@ -8,7 +8,7 @@ use common::{Arch, TinySpec};
 use tokenrouter::config::WeightPrecision;
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::engine::{Executor, Kernel, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use tokenrouter::error::EngineError;
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
@@ -201,6 +201,38 @@ fn batched_equals_unbatched_token_for_token() {
             assert_eq!(batched[i], alone[0], "{dtype:?} sequence {i}");
         }
         assert_eq!(executor.kv_usage().used_tokens, 0);
+    }
+}
+
+/// The premise of the GPU tests' int8 tolerance (`common::INT8_ACTIVATION_TOLERANCE`): two
+/// kernels of this CPU, exact in their integer dot products, differ only in f32 rounding,
+/// which an 8-bit activation rounding can amplify, and stay within the tolerance.
+#[test]
+fn cpu_kernels_on_int8_models_differ_within_the_activation_rounding_tolerance() {
+    let fastest = Kernel::detect();
+    if fastest == Kernel::Portable {
+        eprintln!("skipping: this CPU runs only the portable kernel");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = prompt(40, 5);
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
+            let path = common::write_gguf(&dir.path().join("m.gguf"), &TinySpec::new(arch), dtype);
+            let simd = logits_per_position(&mut load(&path), 1, &tokens);
+            let mut portable = load(&path);
+            portable.use_kernel(Kernel::Portable).unwrap();
+            let portable = logits_per_position(&mut portable, 1, &tokens);
+            let scale = simd.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+            for (position, (a, b)) in simd.iter().zip(&portable).enumerate() {
+                let diff = max_abs_diff(a, b);
+                assert!(
+                    diff <= common::INT8_ACTIVATION_TOLERANCE * scale,
+                    "{arch:?} {dtype:?} position {position}: {fastest:?} and portable differ by \
+                     {diff} (largest logit {scale})"
+                );
+            }
+        }
     }
 }
 

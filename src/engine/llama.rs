@@ -6,7 +6,7 @@ use super::kv::{BlockId, KvStore, SeqId, BLOCK_TOKENS};
 use super::kv_blocks::KvBlocks;
 use super::ops;
 use super::parallel;
-use super::qmatmul::QWeight;
+use super::qmatmul::{Kernel, QWeight};
 use super::weights::{Hyperparams, LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
 
@@ -14,6 +14,8 @@ pub struct LlamaModel {
     pub weights: ModelWeights,
     /// Inverse rope frequency per pair of head dimensions.
     inv_freq: Vec<f32>,
+    /// The integer matmul kernel; the fastest this CPU has unless chosen.
+    pub kernel: Kernel,
 }
 
 /// The last position of one sequence after a step.
@@ -113,7 +115,11 @@ pub fn plan_step(
 impl LlamaModel {
     pub fn new(weights: ModelWeights) -> Self {
         let inv_freq = inverse_frequencies(&weights);
-        Self { weights, inv_freq }
+        Self {
+            weights,
+            inv_freq,
+            kernel: Kernel::detect(),
+        }
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -165,7 +171,10 @@ impl LlamaModel {
             last.extend_from_slice(&x[row * hp.hidden..(row + 1) * hp.hidden]);
         }
         ops::rms_norm_rows_in_place(&mut last, &self.weights.final_norm, hp.rms_eps);
-        let logits = self.weights.lm_head.matmul(&last, segments.len());
+        let logits = self
+            .weights
+            .lm_head
+            .matmul_with(self.kernel, &last, segments.len());
         Ok(last
             .chunks(hp.hidden)
             .zip(logits.chunks(hp.vocab))
@@ -196,7 +205,8 @@ impl LlamaModel {
         let positions = &shape.positions;
         let rows = positions.len();
         let h = ops::rms_norm_rows(x, &w.attn_norm, hp.rms_eps);
-        let [mut q, mut k, mut v] = QWeight::matmul_each([&w.wq, &w.wk, &w.wv], &h, rows);
+        let [mut q, mut k, mut v] =
+            QWeight::matmul_each_with(self.kernel, [&w.wq, &w.wk, &w.wv], &h, rows);
         for (t, bias) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
             if let Some(bias) = bias {
                 ops::add_bias_rows(t, bias);
@@ -223,12 +233,12 @@ impl LlamaModel {
             }
         }
         let attn = self.attention(layer_idx, &q, segments, tables, data);
-        ops::add_in_place(x, &w.wo.matmul(&attn, rows));
+        ops::add_in_place(x, &w.wo.matmul_with(self.kernel, &attn, rows));
 
         let h = ops::rms_norm_rows(x, &w.ffn_norm, hp.rms_eps);
-        let [mut gate, up] = QWeight::matmul_each([&w.w_gate, &w.w_up], &h, rows);
+        let [mut gate, up] = QWeight::matmul_each_with(self.kernel, [&w.w_gate, &w.w_up], &h, rows);
         ops::silu_mul_in_place(&mut gate, &up);
-        ops::add_in_place(x, &w.w_down.matmul(&gate, rows));
+        ops::add_in_place(x, &w.w_down.matmul_with(self.kernel, &gate, rows));
     }
 
     /// Rotates every head of every row by its position.

@@ -19,6 +19,7 @@ use crate::config::{ModelConfig, ModelDevice};
 use crate::error::{EngineError, EngineResult};
 pub use kv::{BlockCopy, KvUsage, PrefixCounters, SeqId};
 use llama::LlamaModel;
+pub use qmatmul::Kernel;
 pub use sampling::{LogitStats, SamplingParams};
 use weights::{Hyperparams, ModelWeights};
 
@@ -171,6 +172,21 @@ impl Executor {
         ensure_cpu_supported()?;
         let weights = weights::load_weights(config)?;
         Self::new(&config.name, weights, config.threads, config.kv_tokens)
+    }
+
+    /// Runs the integer matmuls on `kernel` instead of the fastest this CPU has (`bench
+    /// parity` compares two kernels, whose f32 rounding differs, to show that variation).
+    pub fn use_kernel(&mut self, kernel: qmatmul::Kernel) -> EngineResult<()> {
+        let available = qmatmul::Kernel::available();
+        if !available.contains(&kernel) {
+            let names: Vec<&str> = available.iter().map(|k| k.name()).collect();
+            return Err(EngineError::UnavailableKernel(
+                kernel.name(),
+                names.join(", "),
+            ));
+        }
+        self.model.kernel = kernel;
+        Ok(())
     }
 
     pub fn new(

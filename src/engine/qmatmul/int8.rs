@@ -306,6 +306,35 @@ impl Kernel {
         all.push(Self::Portable);
         all
     }
+
+    /// The name `FromStr` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Vnni => "avx512-vnni",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => "avx2",
+            Self::Portable => "portable",
+        }
+    }
+}
+
+impl std::str::FromStr for Kernel {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        let all = [
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2,
+            Self::Portable,
+        ];
+        all.into_iter().find(|k| k.name() == name).ok_or_else(|| {
+            let names: Vec<&str> = all.iter().map(|k| k.name()).collect();
+            format!("unknown CPU kernel `{name}` (one of {})", names.join(", "))
+        })
+    }
 }
 
 /// Columns `first..first + C` against rows `rows` with a SIMD module's `tile`, over row

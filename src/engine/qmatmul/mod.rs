@@ -177,17 +177,9 @@ impl QWeight {
         out
     }
 
-    /// `x × Wᵢᵀ` for several weights reading one input (q/k/v; gate/up): the input is
-    /// quantized once and all their columns run in one parallel region.
-    pub fn matmul_each<const N: usize>(
-        weights: [&Self; N],
-        x: &[f32],
-        rows: usize,
-    ) -> [Vec<f32>; N] {
-        Self::matmul_each_with(Kernel::detect(), weights, x, rows)
-    }
-
-    fn matmul_each_with<const N: usize>(
+    /// `x × Wᵢᵀ` for several weights reading one input (q/k/v; gate/up) on `kernel`: the
+    /// input is quantized once and all their columns run in one parallel region.
+    pub fn matmul_each_with<const N: usize>(
         kernel: Kernel,
         weights: [&Self; N],
         x: &[f32],
