@@ -124,6 +124,8 @@ enum BenchCommand {
     Parity(BenchParityArgs),
     /// Closed-loop clients through the runtime, per policy, mode and concurrency.
     Routing(BenchRoutingArgs),
+    /// Answer accuracy, LLM likelihood, token share and cost per policy on shipped questions.
+    Quality(BenchQualityArgs),
     /// Load a running server over HTTP: disconnects, policy swaps; nothing may hang or leak.
     Load(BenchLoadArgs),
 }
@@ -197,6 +199,36 @@ struct BenchRoutingArgs {
     #[arg(long)]
     json: bool,
     /// Write SVG plots into this directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct BenchQualityArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Policies or model names; every configured policy and every model alone if absent.
+    #[arg(long, value_delimiter = ',')]
+    policy: Vec<String>,
+    /// Threshold sweep of a configured policy, e.g. `r2r=3,4,5,6`; repeatable.
+    #[arg(long)]
+    sweep: Vec<String>,
+    /// `heldout`, `train` or `all`.
+    #[arg(long, default_value = "heldout")]
+    split: String,
+    /// Only the first N questions of the split.
+    #[arg(long)]
+    questions: Option<usize>,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// The model scoring answers (likelihood, token share); the first model if absent.
+    #[arg(long)]
+    reference: Option<String>,
+    #[arg(long)]
+    json: bool,
+    /// Write the accuracy-versus-share plot into this directory.
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -310,6 +342,7 @@ fn main() {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
         Command::Bench(BenchCommand::Parity(args)) => run_bench_parity(args),
+        Command::Bench(BenchCommand::Quality(args)) => run_bench_quality(args),
         Command::Bench(BenchCommand::Routing(args)) => run_bench_routing(args),
         Command::Bench(BenchCommand::Load(args)) => run_bench_load(args),
         Command::Models(ModelsCommand::List { config, json }) => run_models_list(&config, json),
@@ -554,6 +587,74 @@ fn run_bench_parity(args: BenchParityArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `POLICY=V1,V2,...` of `--sweep`.
+fn parse_sweep(spec: &str) -> anyhow::Result<(String, Vec<f32>)> {
+    let (name, values) = spec
+        .split_once('=')
+        .ok_or_else(|| anyhow!("--sweep takes POLICY=V1,V2,..., got `{spec}`"))?;
+    let values = values
+        .split(',')
+        .map(|v| {
+            v.trim()
+                .parse::<f32>()
+                .map_err(|_| anyhow!("--sweep: `{v}` is not a number"))
+        })
+        .collect::<anyhow::Result<Vec<f32>>>()?;
+    Ok((name.to_string(), values))
+}
+
+fn run_bench_quality(args: BenchQualityArgs) -> anyhow::Result<()> {
+    if args.max_tokens == 0 || args.concurrency == 0 || args.questions == Some(0) {
+        anyhow::bail!("--max-tokens, --concurrency and --questions must be positive");
+    }
+    let split = match args.split.as_str() {
+        "heldout" => Some(bench::answers::Split::Heldout),
+        "train" => Some(bench::answers::Split::Train),
+        "all" => None,
+        other => anyhow::bail!("--split takes heldout, train or all, not `{other}`"),
+    };
+    let sweeps = args
+        .sweep
+        .iter()
+        .map(|s| parse_sweep(s))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let config = ready_config(&args.config)?;
+    let reference = args
+        .reference
+        .unwrap_or_else(|| config.models[0].name.clone());
+    let served = match args.policy.is_empty() {
+        false => args.policy,
+        true => config
+            .policies
+            .iter()
+            .map(|p| p.name.clone())
+            .chain(config.models.iter().map(|m| m.name.clone()))
+            .collect(),
+    };
+    let settings = bench::quality::QualityBenchSettings {
+        served,
+        sweeps,
+        split,
+        limit: args.questions,
+        max_tokens: args.max_tokens,
+        concurrency: args.concurrency,
+        reference: reference.clone(),
+    };
+    let rows = actix::System::new()
+        .block_on(async move { bench::quality::run(&config, &settings).await })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&rows)?);
+    } else {
+        print!("{}", bench::quality::markdown(&rows, &reference));
+    }
+    if let Some(dir) = &args.out {
+        let path = bench::plots::quality(&rows, &reference, dir)
+            .map_err(|e| anyhow!("cannot write the plot to {}: {e}", dir.display()))?;
+        tracing::info!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
     if args.concurrency.contains(&0)
         || args.requests == 0
@@ -567,20 +668,7 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
     }
     let sweep = match &args.sweep {
         None => None,
-        Some(spec) => {
-            let (name, values) = spec
-                .split_once('=')
-                .ok_or_else(|| anyhow!("--sweep takes POLICY=V1,V2,..., got `{spec}`"))?;
-            let values = values
-                .split(',')
-                .map(|v| {
-                    v.trim()
-                        .parse::<f32>()
-                        .map_err(|_| anyhow!("--sweep: `{v}` is not a number"))
-                })
-                .collect::<anyhow::Result<Vec<f32>>>()?;
-            Some((name.to_string(), values))
-        }
+        Some(spec) => Some(parse_sweep(spec)?),
     };
     let mut config = ready_config(&args.config)?;
     if let Some(device) = args.device {

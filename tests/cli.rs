@@ -203,6 +203,65 @@ fn bench_engine_fit_feeds_tune_and_concurrent_mode_reports_both_models() {
     assert!(stderr.contains("models.large.step_profile"), "{stderr}");
 }
 
+/// `bench quality` answers the held-out questions per served name, scores them and plots
+/// accuracy against the first model's token share; a bad split is a clear error.
+#[test]
+fn bench_quality_scores_each_policy_and_model_alone_and_writes_the_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::server::write_tiny_config(dir.path(), 0.5);
+    let quality = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "quality",
+            "--config",
+            config.to_str().unwrap(),
+            "--policy",
+            "large,small",
+            "--sweep",
+            "r2r=0.5,2",
+            "--questions",
+            "5",
+            "--max-tokens",
+            "4",
+        ];
+        args.extend_from_slice(extra);
+        tokenrouter(&args)
+    };
+    let out = quality(&["--json", "--out", dir.path().to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let served: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["served"].as_str().unwrap())
+        .collect();
+    assert_eq!(served, ["large", "small", "r2r@0.5", "r2r@2", "oracle"]);
+    // The oracle's answers are the reference model's; only its share differs.
+    let (large, oracle) = (&rows[0], &rows[4]);
+    assert_eq!(oracle["correct"], large["correct"]);
+    assert_eq!(oracle["reference_nll"], large["reference_nll"]);
+    assert!(oracle["ms_per_token"].is_null());
+    let share = oracle["reference_token_share"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&share), "{oracle}");
+    for row in rows.as_array().unwrap() {
+        assert_eq!(row["questions"], 5, "{row}");
+        assert_eq!(row["answers"].as_array().unwrap().len(), 5, "{row}");
+        assert!(row["reference_nll"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    assert_eq!(rows[0]["reference_token_share"], 1.0);
+    assert_eq!(rows[1]["reference_token_share"], 0.0);
+    assert!(dir.path().join("accuracy-vs-share.svg").exists());
+
+    let out = quality(&["--split", "validation"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--split takes heldout, train or all"));
+}
+
 /// `bench parity` decodes the fixed prompts on the CPU and on `--device`; CPU against CPU must
 /// match token for token, and a device this build cannot use is a clear error.
 #[test]

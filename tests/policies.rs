@@ -173,6 +173,102 @@ fn citer_router_and_deferral_head_match_direct_computations() {
     assert_close(&got, &sigmoid(&linear(&w, "defer", &h)));
 }
 
+/// The released checkpoints' name for a tensor of `write_router`, written out here rather
+/// than taken from the loader (tables from docs/policies.md and the releases).
+fn released_name(kind: &str, own: &str) -> String {
+    let renames: &[(&str, &str)] = match kind {
+        "r2r" => &[
+            ("topk_proj.", "logits_projection."),
+            ("input_proj.", "combined_projection."),
+            ("backbone_proj.", "backbone.input_projection."),
+            ("final_norm.", "backbone.output_layer.0."),
+            ("head.", "backbone.output_layer.1."),
+            (".norm.", ".layer_norm."),
+            (".fc1.", ".mlp.0."),
+            (".fc2.", ".mlp.3."),
+            ("blocks.", "backbone.blocks."),
+        ],
+        _ => &[
+            ("fc1.", "mlp.0."),
+            ("bn.", "mlp.1."),
+            ("fc2.", "mlp.4."),
+            ("head.", "linear."),
+        ],
+    };
+    let mut name = own.to_string();
+    for (from, to) in renames {
+        if name.starts_with(from) || (from.starts_with('.') && name.contains(from)) {
+            name = name.replacen(from, to, 1);
+        }
+    }
+    name
+}
+
+/// Weights under the released names (with the extra tensors those files carry) score exactly
+/// as the same weights under this project's names; a missing tensor is named.
+#[test]
+fn released_checkpoint_names_load_and_score_like_the_projects_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = 4;
+    let (hidden, embedding) = (random_rows(rows, HIDDEN, 11), random_rows(rows, HIDDEN, 12));
+    let mut top = random_rows(rows, 100, 13);
+    for row in top.chunks_mut(100) {
+        row.sort_by(|a, b| b.total_cmp(a));
+    }
+    for kind in ["r2r", "citer"] {
+        let own = dir.path().join(format!("{kind}.safetensors"));
+        let weights = common::write_router(&own, kind, HIDDEN, 21);
+        let mut released: std::collections::HashMap<String, Tensor> = weights
+            .iter()
+            .map(|(name, t)| (released_name(kind, name), t.clone()))
+            .collect();
+        let extra = match kind {
+            "r2r" => (
+                "token_embeddings.weight",
+                Tensor::zeros((7, HIDDEN), candle_core::DType::F32, &Device::Cpu),
+            ),
+            _ => (
+                "mlp.1.num_batches_tracked",
+                Tensor::new(&[3i64], &Device::Cpu),
+            ),
+        };
+        released.insert(extra.0.to_string(), extra.1.unwrap());
+        let path = dir.path().join(format!("{kind}-released.safetensors"));
+        candle_core::safetensors::save(&released, &path).unwrap();
+        assert!(
+            !released.keys().any(|k| weights.contains_key(k)),
+            "{released:?}"
+        );
+        let (got, want) = match kind {
+            "r2r" => (
+                R2rRouter::load(&path, HIDDEN)
+                    .unwrap()
+                    .score(&hidden, &embedding, &top),
+                R2rRouter::load(&own, HIDDEN)
+                    .unwrap()
+                    .score(&hidden, &embedding, &top),
+            ),
+            _ => (
+                CiterRouter::load(&path, HIDDEN).unwrap().score(&hidden),
+                CiterRouter::load(&own, HIDDEN).unwrap().score(&hidden),
+            ),
+        };
+        assert_eq!(got, want, "{kind}");
+
+        let missing = match kind {
+            "r2r" => "backbone.output_layer.1.weight",
+            _ => "mlp.1.running_var",
+        };
+        released.remove(missing);
+        candle_core::safetensors::save(&released, &path).unwrap();
+        let err = match kind {
+            "r2r" => R2rRouter::load(&path, HIDDEN).err().unwrap().to_string(),
+            _ => CiterRouter::load(&path, HIDDEN).err().unwrap().to_string(),
+        };
+        assert!(err.contains(missing), "{err}");
+    }
+}
+
 fn pair_config(dir: &std::path::Path, policies: &str) -> Config {
     let spec = TinySpec::new(Arch::Llama);
     let slm = common::write_gguf(&dir.join("slm.gguf"), &spec, GgmlDType::Q8_0);

@@ -1,12 +1,14 @@
 //! Benchmarks: engine step cost per batch size, and the quality/cost of a model pair.
 //! Long sweeps live here, not in `cargo test`.
 
+pub mod answers;
 pub mod engine;
 pub mod load;
 pub mod pair;
 pub mod parity;
 pub mod plots;
 pub mod prompts;
+pub mod quality;
 pub mod routing;
 pub mod validate;
 pub mod workloads;

@@ -1,13 +1,38 @@
 //! SVG plots of a `bench routing` run (`--out DIR`): throughput per mode against concurrency
-//! for each policy, and the Markov model's prediction against the measured throughput.
+//! for each policy, and the Markov model's prediction against the measured throughput; and
+//! of a `bench quality` run: accuracy against the LLM's token share.
 
+use super::quality::QualityRow;
 use super::routing::RoutingBenchRow;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 
 const SIZE: (u32, u32) = (720, 480);
 
 type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// A labelled line through `points` with a dot on each, in the `k`-th palette colour.
+fn labelled_line(
+    chart: &mut Chart,
+    points: Vec<(f64, f64)>,
+    k: usize,
+    label: &str,
+) -> PlotResult<()> {
+    let color = Palette99::pick(k).to_rgba();
+    chart
+        .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+    chart.draw_series(
+        points
+            .into_iter()
+            .map(|p| Circle::new(p, 4, color.filled())),
+    )?;
+    Ok(())
+}
 
 /// Writes every plot into `dir` and returns their paths.
 pub fn write_all(rows: &[RoutingBenchRow], dir: &Path) -> PlotResult<Vec<PathBuf>> {
@@ -71,18 +96,7 @@ fn throughput(rows: &[RoutingBenchRow], policy: &str, path: &Path) -> PlotResult
                 .collect();
             points.push((n as f64, cell.iter().sum::<f64>() / cell.len() as f64));
         }
-        let color = Palette99::pick(k).to_rgba();
-        chart
-            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
-            .label(*mode)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
-            });
-        chart.draw_series(
-            points
-                .into_iter()
-                .map(|p| Circle::new(p, 4, color.filled())),
-        )?;
+        labelled_line(&mut chart, points, k, mode)?;
     }
     chart
         .configure_series_labels()
@@ -123,4 +137,52 @@ fn predicted_vs_measured(rows: &[RoutingBenchRow], path: &Path) -> PlotResult<bo
     chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, BLUE.filled())))?;
     root.present()?;
     Ok(true)
+}
+
+/// `bench quality --out DIR`: accuracy against the reference model's token share, one line
+/// per policy through its threshold variants (`name@value`), each model alone a point.
+pub fn quality(rows: &[QualityRow], reference: &str, dir: &Path) -> PlotResult<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("accuracy-vs-share.svg");
+    let root = SVGBackend::new(&path, SIZE).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Answer accuracy against LLM token share",
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..100.0, 0.0..100.0)?;
+    chart
+        .configure_mesh()
+        .x_desc(format!("{reference} token share (%)"))
+        .y_desc("accuracy (%)")
+        .draw()?;
+    let mut families: Vec<&str> = rows
+        .iter()
+        .map(|r| r.served.split('@').next().unwrap_or(&r.served))
+        .collect();
+    families.sort();
+    families.dedup();
+    for (k, family) in families.iter().enumerate() {
+        let mut points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.served.split('@').next() == Some(family))
+            .map(|r| (100.0 * r.reference_token_share, 100.0 * r.accuracy))
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        labelled_line(&mut chart, points, k, family)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    drop(chart);
+    drop(root);
+    Ok(path)
 }

@@ -325,14 +325,14 @@ struct Tally {
 }
 
 /// One request's tokens with their arrival times.
-struct Followed {
-    tokens: Vec<u32>,
-    routing: RoutingStats,
-    times: Vec<Instant>,
+pub(super) struct Followed {
+    pub tokens: Vec<u32>,
+    pub routing: RoutingStats,
+    pub times: Vec<Instant>,
 }
 
 /// Reads a request's events to its end, timing each token.
-async fn follow(mut handle: RequestHandle) -> Result<Followed, RuntimeError> {
+pub(super) async fn follow(mut handle: RequestHandle) -> Result<Followed, RuntimeError> {
     let (mut tokens, mut times) = (Vec::new(), Vec::new());
     while let Some(event) = handle.events.recv().await {
         match event {
@@ -511,24 +511,34 @@ fn with_sweep(
 ) -> Result<(Config, Vec<String>), RuntimeError> {
     let mut config = config.clone();
     let mut policies = settings.policies.clone();
-    if let Some((name, values)) = &settings.sweep {
-        let base = config
-            .policies
-            .iter()
-            .find(|p| &p.name == name)
-            .cloned()
-            .ok_or_else(|| RuntimeError::UnknownPolicy(name.clone()))?;
-        for v in values {
-            let variant = format!("{name}@{v}");
-            config.policies.push(PolicyConfig {
-                name: variant.clone(),
-                threshold: Some(*v),
-                ..base.clone()
-            });
-            policies.push(variant);
-        }
+    if let Some(sweep) = &settings.sweep {
+        policies.extend(add_threshold_variants(&mut config, sweep)?);
     }
     Ok((config, policies))
+}
+
+/// Adds a `name@value` copy of policy `name` per threshold value to `config`; their names.
+pub(super) fn add_threshold_variants(
+    config: &mut Config,
+    (name, values): &(String, Vec<f32>),
+) -> Result<Vec<String>, RuntimeError> {
+    let base = config
+        .policies
+        .iter()
+        .find(|p| &p.name == name)
+        .cloned()
+        .ok_or_else(|| RuntimeError::UnknownPolicy(name.clone()))?;
+    let mut names = Vec::with_capacity(values.len());
+    for v in values {
+        let variant = format!("{name}@{v}");
+        config.policies.push(PolicyConfig {
+            name: variant.clone(),
+            threshold: Some(*v),
+            ..base.clone()
+        });
+        names.push(variant);
+    }
+    Ok(names)
 }
 
 /// Runs every (round, policy, concurrency, mode) cell; one runtime per mode, started once.

@@ -1,8 +1,14 @@
 //! Learned routers, loaded from safetensors and evaluated over a whole batch per layer.
-//! Tensor names (all `[out, in]` weights, PyTorch `nn.Linear` layout):
-//! - R2R (`r2r`): `topk_proj`, `input_proj`, `backbone_proj`, `blocks.{i}.norm`, `blocks.{i}.fc1`,
-//!   `blocks.{i}.fc2`, `final_norm`, `head` (+ `.weight`/`.bias`), optional scalar `threshold`.
-//! - CITER (`citer`): `fc1`, `bn` (`weight`, `bias`, `running_mean`, `running_var`), `fc2`, `head`.
+//! Tensor names (all `[out, in]` weights, PyTorch `nn.Linear` layout), this project's and, in
+//! brackets, the released checkpoints' (either is read; a file uses one or the other):
+//! - R2R (`r2r`): `topk_proj` [`logits_projection`], `input_proj` [`combined_projection`],
+//!   `backbone_proj` [`backbone.input_projection`], `blocks.{i}.norm`
+//!   [`backbone.blocks.{i}.layer_norm`], `blocks.{i}.fc1` [`….mlp.0`], `blocks.{i}.fc2`
+//!   [`….mlp.3`], `final_norm` [`backbone.output_layer.0`], `head` [`backbone.output_layer.1`]
+//!   (+ `.weight`/`.bias`), optional scalar `threshold`; a released file's
+//!   `token_embeddings.weight` is ignored (the SLM's embedding is the same table).
+//! - CITER (`citer`): `fc1` [`mlp.0`], `bn` [`mlp.1`] (`weight`, `bias`, `running_mean`,
+//!   `running_var`), `fc2` [`mlp.4`], `head` [`linear`].
 //! - Co-LLM (`colm`): `defer.weight` `[1, hidden]`, optional `defer.bias`.
 
 use super::PolicyError;
@@ -46,6 +52,51 @@ fn get(t: &Tensors, name: &str) -> Result<(Vec<usize>, Vec<f32>), String> {
         .and_then(|x| x.to_vec1::<f32>())
         .map_err(|e| format!("`{name}`: {e}"))?;
     Ok((dims, data))
+}
+
+/// The released R2R checkpoints' name for one of this project's tensor prefixes.
+fn released_r2r_name(own: &str) -> String {
+    if let Some(rest) = own.strip_prefix("blocks.") {
+        let (i, part) = rest.split_once('.').unwrap_or((rest, ""));
+        let part = match part {
+            "norm" => "layer_norm",
+            "fc1" => "mlp.0",
+            "fc2" => "mlp.3",
+            other => other,
+        };
+        return format!("backbone.blocks.{i}.{part}");
+    }
+    match own {
+        "topk_proj" => "logits_projection",
+        "input_proj" => "combined_projection",
+        "backbone_proj" => "backbone.input_projection",
+        "final_norm" => "backbone.output_layer.0",
+        "head" => "backbone.output_layer.1",
+        other => other,
+    }
+    .to_string()
+}
+
+/// The released CITER checkpoints' name (torchvision `MLP`, then `linear`).
+fn released_citer_name(own: &str) -> String {
+    match own {
+        "fc1" => "mlp.0",
+        "bn" => "mlp.1",
+        "fc2" => "mlp.4",
+        "head" => "linear",
+        other => other,
+    }
+    .to_string()
+}
+
+/// Maps this project's tensor prefixes to the names `t` uses: its own, or the released
+/// checkpoints' when `t` holds `probe` under its released name.
+fn naming(t: &Tensors, probe: &str, released: fn(&str) -> String) -> impl Fn(&str) -> String {
+    let is_released = t.contains_key(&format!("{}.weight", released(probe)));
+    move |own: &str| match is_released {
+        true => released(own),
+        false => own.to_string(),
+    }
 }
 
 /// `y = x Wᵀ + b` over a batch of rows.
@@ -163,26 +214,28 @@ impl R2rRouter {
 
     fn read(path: &Path, hidden: usize) -> Result<Self, String> {
         let t = load(path)?;
-        let topk_proj = Linear::load(&t, "topk_proj", Some(R2R_TOP_K))?;
+        let name = naming(&t, "topk_proj", released_r2r_name);
+        let topk_proj = Linear::load(&t, &name("topk_proj"), Some(R2R_TOP_K))?;
         if topk_proj.n_out != hidden {
             return Err(format!(
-                "`topk_proj` projects to {}, the SLM hidden size is {hidden}",
+                "`{}` projects to {}, the SLM hidden size is {hidden}",
+                name("topk_proj"),
                 topk_proj.n_out
             ));
         }
-        let input_proj = Linear::load(&t, "input_proj", Some(3 * hidden))?;
+        let input_proj = Linear::load(&t, &name("input_proj"), Some(3 * hidden))?;
         let width = input_proj.n_out;
-        let backbone_proj = Linear::load(&t, "backbone_proj", Some(width))?;
+        let backbone_proj = Linear::load(&t, &name("backbone_proj"), Some(width))?;
         let mut blocks = Vec::new();
-        while t.contains_key(&format!("blocks.{}.fc1.weight", blocks.len())) {
-            let i = blocks.len();
-            let fc1 = Linear::load(&t, &format!("blocks.{i}.fc1"), Some(width))?;
-            let fc2 = Linear::load(&t, &format!("blocks.{i}.fc2"), Some(fc1.n_out))?;
-            blocks.push((
-                LayerNorm::load(&t, &format!("blocks.{i}.norm"), width)?,
-                fc1,
-                fc2,
-            ));
+        loop {
+            let block = |part: &str| name(&format!("blocks.{}.{part}", blocks.len()));
+            if !t.contains_key(&format!("{}.weight", block("fc1"))) {
+                break;
+            }
+            let fc1 = Linear::load(&t, &block("fc1"), Some(width))?;
+            let fc2 = Linear::load(&t, &block("fc2"), Some(fc1.n_out))?;
+            let norm = LayerNorm::load(&t, &block("norm"), width)?;
+            blocks.push((norm, fc1, fc2));
         }
         let threshold = match t.get("threshold") {
             Some(_) => get(&t, "threshold")?.1.first().copied(),
@@ -194,8 +247,8 @@ impl R2rRouter {
             input_proj,
             backbone_proj,
             blocks,
-            final_norm: LayerNorm::load(&t, "final_norm", width)?,
-            head: Linear::load(&t, "head", Some(width))?,
+            final_norm: LayerNorm::load(&t, &name("final_norm"), width)?,
+            head: Linear::load(&t, &name("head"), Some(width))?,
             threshold,
         })
     }
@@ -243,17 +296,19 @@ impl CiterRouter {
 
     fn read(path: &Path, hidden: usize) -> Result<Self, String> {
         let t = load(path)?;
-        let fc1 = Linear::load(&t, "fc1", Some(hidden))?;
+        let name = naming(&t, "fc1", released_citer_name);
+        let fc1 = Linear::load(&t, &name("fc1"), Some(hidden))?;
         let n = fc1.n_out;
-        let (_, weight) = get(&t, "bn.weight")?;
-        let (_, bias) = get(&t, "bn.bias")?;
-        let (_, mean) = get(&t, "bn.running_mean")?;
-        let (_, var) = get(&t, "bn.running_var")?;
+        let bn = name("bn");
+        let (_, weight) = get(&t, &format!("{bn}.weight"))?;
+        let (_, bias) = get(&t, &format!("{bn}.bias"))?;
+        let (_, mean) = get(&t, &format!("{bn}.running_mean"))?;
+        let (_, var) = get(&t, &format!("{bn}.running_var"))?;
         if [weight.len(), bias.len(), mean.len(), var.len()]
             .iter()
             .any(|&l| l != n)
         {
-            return Err(format!("`bn.*` must have {n} entries"));
+            return Err(format!("`{bn}.*` must have {n} entries"));
         }
         // Inference-mode batch norm folded into one scale and shift per channel.
         let bn_scale: Vec<f32> = weight
@@ -267,8 +322,8 @@ impl CiterRouter {
             .zip(&bn_scale)
             .map(|((b, m), s)| b - m * s)
             .collect();
-        let fc2 = Linear::load(&t, "fc2", Some(n))?;
-        let head = Linear::load(&t, "head", Some(fc2.n_out))?;
+        let fc2 = Linear::load(&t, &name("fc2"), Some(n))?;
+        let head = Linear::load(&t, &name("head"), Some(fc2.n_out))?;
         Ok(Self {
             fc1,
             bn_scale,
