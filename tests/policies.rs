@@ -218,7 +218,7 @@ fn released_checkpoint_names_load_and_score_like_the_projects_own() {
     for kind in ["r2r", "citer"] {
         let own = dir.path().join(format!("{kind}.safetensors"));
         let weights = common::write_router(&own, kind, HIDDEN, 21);
-        let mut released: std::collections::HashMap<String, Tensor> = weights
+        let mut released: HashMap<String, Tensor> = weights
             .iter()
             .map(|(name, t)| (released_name(kind, name), t.clone()))
             .collect();
@@ -267,6 +267,29 @@ fn released_checkpoint_names_load_and_score_like_the_projects_own() {
         };
         assert!(err.contains(missing), "{err}");
     }
+}
+
+/// Co-LLM ships no separate head: its deferral weights are the fine-tuned LM head's last row.
+#[test]
+fn a_deferral_head_reads_the_last_row_of_a_fine_tuned_lm_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let hidden = random_rows(3, HIDDEN, 31);
+    let lm_head =
+        Tensor::from_slice(&random_rows(6, HIDDEN, 32), (6, HIDDEN), &Device::Cpu).unwrap();
+    let path = dir.path().join("colm-released.safetensors");
+    let tensors = HashMap::from([("lm_head.weight".to_string(), lm_head.clone())]);
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let got = DeferralHead::load(&path, HIDDEN).unwrap().score(&hidden);
+    let h = Tensor::from_slice(&hidden, (3, HIDDEN), &Device::Cpu).unwrap();
+    let last = lm_head.narrow(0, 5, 1).unwrap();
+    let want = sigmoid(&h.matmul(&last.t().unwrap()).unwrap());
+    assert_close(&got, &want);
+
+    let err = DeferralHead::load(&path, HIDDEN + 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("lm_head.weight"), "{err}");
 }
 
 fn pair_config(dir: &std::path::Path, policies: &str) -> Config {

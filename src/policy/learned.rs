@@ -9,7 +9,8 @@
 //!   `token_embeddings.weight` is ignored (the SLM's embedding is the same table).
 //! - CITER (`citer`): `fc1` [`mlp.0`], `bn` [`mlp.1`] (`weight`, `bias`, `running_mean`,
 //!   `running_var`), `fc2` [`mlp.4`], `head` [`linear`].
-//! - Co-LLM (`colm`): `defer.weight` `[1, hidden]`, optional `defer.bias`.
+//! - Co-LLM (`colm`): `defer.weight` `[1, hidden]`, optional `defer.bias`; or, as released, a
+//!   fine-tuned `lm_head.weight` (`output.weight`) whose last row is the `<|defer|>` token.
 
 use super::PolicyError;
 use candle_core::{DType, Device, Tensor};
@@ -362,11 +363,38 @@ impl DeferralHead {
 
     fn read(path: &Path, hidden: usize) -> Result<Self, String> {
         let t = load(path)?;
+        if let Some(lm_head) = ["lm_head.weight", "output.weight"]
+            .into_iter()
+            .find(|name| t.contains_key(*name) && !t.contains_key("defer.weight"))
+        {
+            return Self::from_lm_head(&t, lm_head, hidden);
+        }
         let head = Linear::load(&t, "defer", Some(hidden))?;
         if head.n_out != 1 {
             return Err(format!("`defer.weight` must be [1, {hidden}]"));
         }
         Ok(Self { head })
+    }
+
+    /// Co-LLM's release: the `<|defer|>` token is the last row of the fine-tuned LM head.
+    fn from_lm_head(t: &Tensors, name: &str, hidden: usize) -> Result<Self, String> {
+        let (dims, weight) = get(t, name)?;
+        let [rows, columns] = dims[..] else {
+            return Err(format!("`{name}` must be 2-D, is {dims:?}"));
+        };
+        if columns != hidden || rows == 0 {
+            return Err(format!(
+                "`{name}` is [{rows}, {columns}]; its rows must have the model's {hidden} entries"
+            ));
+        }
+        Ok(Self {
+            head: Linear {
+                n_in: hidden,
+                n_out: 1,
+                weight: weight[(rows - 1) * hidden..].to_vec(),
+                bias: vec![0.0],
+            },
+        })
     }
 }
 
