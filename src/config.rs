@@ -80,6 +80,16 @@ pub struct ServerConfig {
     /// Bearer token of the admin routes; `TOKENROUTER_ADMIN_TOKEN` overrides it. Without
     /// either, the admin routes are disabled.
     pub admin_token: Option<String>,
+    /// Open connections per HTTP worker; further ones wait in the kernel's backlog. Each
+    /// takes a file descriptor: keep `workers × max_connections` under `ulimit -n`.
+    pub max_connections: usize,
+    /// How long an idle keep-alive connection stays open; 0 closes after each response.
+    pub keep_alive_s: f64,
+    /// A client must send a request's headers within this, or gets 408 and is closed (idle
+    /// and slow-loris clients do not hold connections).
+    pub header_timeout_ms: u64,
+    /// How long a closing connection may take to shut down cleanly before it is dropped.
+    pub disconnect_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -96,6 +106,10 @@ impl Default for ServerConfig {
             request_timeout_s: 600.0,
             shutdown_grace_s: 30,
             admin_token: None,
+            max_connections: 2048,
+            keep_alive_s: 5.0,
+            header_timeout_ms: 5000,
+            disconnect_timeout_ms: 1000,
         }
     }
 }
@@ -595,12 +609,19 @@ impl Config {
             ("max_prompt_tokens", server.max_prompt_tokens),
             ("max_tokens_limit", server.max_tokens_limit),
             ("max_concurrent_requests", server.max_concurrent_requests),
+            ("max_connections", server.max_connections),
+            ("header_timeout_ms", server.header_timeout_ms as usize),
         ] {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!(
                     "server.{field}: must be at least 1"
                 )));
             }
+        }
+        if !(server.keep_alive_s >= 0.0 && server.keep_alive_s.is_finite()) {
+            return Err(ConfigError::Invalid(
+                "server.keep_alive_s: must be a non-negative number of seconds".into(),
+            ));
         }
         if !(server.request_timeout_s > 0.0 && server.request_timeout_s.is_finite()) {
             return Err(ConfigError::Invalid(
@@ -851,6 +872,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("weights") || err.contains("variant"), "{err}");
+        for (line, field) in [
+            ("header_timeout_ms = 0", "server.header_timeout_ms"),
+            ("max_connections = 0", "server.max_connections"),
+            ("keep_alive_s = -1.0", "server.keep_alive_s"),
+        ] {
+            let err = Config::parse(&format!(
+                "[[models]]\nname = \"m\"\npath = \"a\"\n[server]\n{line}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(field), "{line}: {err}");
+        }
     }
 
     #[test]

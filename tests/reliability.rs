@@ -218,3 +218,35 @@ fn kv_exhaustion_makes_requests_wait_and_loses_nothing() {
     let usage = &body["usage"];
     assert_eq!(usage["total_tokens"], 96, "{body}");
 }
+
+/// A client that never finishes its headers (slow-loris) is answered 408 and closed once
+/// `header_timeout_ms` passes, while a normal client is served meanwhile.
+#[test]
+fn a_client_that_never_finishes_its_headers_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&write_tiny_config_with(
+        dir.path(),
+        0.0,
+        8192,
+        "header_timeout_ms = 300",
+    ));
+    let address = server.base.trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&address).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    use std::io::Write;
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let started = Instant::now();
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"model": "me", "prompt": "the city", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    let mut answer = Vec::new();
+    slow.read_to_end(&mut answer).unwrap();
+    let waited = started.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
+}

@@ -14,6 +14,7 @@ use crate::engine::chat::ChatTemplate;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::Runtime;
 use crate::telemetry;
+use actix_web::http::KeepAlive;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use admission::Admission;
 use error::ApiError;
@@ -173,6 +174,14 @@ pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let interrupt = signal(SignalKind::interrupt())?;
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
         .workers(limits.workers)
+        .max_connections(limits.max_connections)
+        .keep_alive(if limits.keep_alive_s > 0.0 {
+            KeepAlive::Timeout(Duration::from_secs_f64(limits.keep_alive_s))
+        } else {
+            KeepAlive::Disabled
+        })
+        .client_request_timeout(Duration::from_millis(limits.header_timeout_ms))
+        .client_disconnect_timeout(Duration::from_millis(limits.disconnect_timeout_ms))
         .shutdown_timeout(limits.shutdown_grace_s)
         .disable_signals()
         .bind((limits.host.as_str(), limits.port))?;
