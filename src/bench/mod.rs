@@ -13,6 +13,34 @@ pub mod routing;
 pub mod validate;
 pub mod workloads;
 
+/// Runs `job(i)` for every `i` in `0..count`, `concurrency` at a time: each worker takes the
+/// next index as soon as its job ends (closed-loop clients). Returns once every job has.
+pub async fn for_each_closed_loop<F, Job>(concurrency: usize, count: usize, job: F)
+where
+    F: Fn(usize) -> Job + Clone + 'static,
+    Job: std::future::Future<Output = ()> + 'static,
+{
+    let next = std::rc::Rc::new(std::cell::Cell::new(0usize));
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (next, job) = (next.clone(), job.clone());
+            actix_rt::spawn(async move {
+                loop {
+                    let i = next.get();
+                    if i >= count {
+                        break;
+                    }
+                    next.set(i + 1);
+                    job(i).await;
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        let _ = worker.await;
+    }
+}
+
 /// Median of a non-empty sample.
 pub fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);

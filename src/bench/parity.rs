@@ -7,6 +7,7 @@
 
 use super::prompts::{first_sentence, PROMPTS};
 use serde::Serialize;
+use tokenrouter::engine::sampling::top_logits;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use tokenrouter::error::EngineResult;
@@ -84,18 +85,12 @@ fn decode(
     Ok(generated)
 }
 
-/// Gap between the two largest logits.
+/// Gap between the two largest logits (infinite with fewer than two).
 pub(crate) fn top2_margin(logits: &[f32]) -> f32 {
-    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &l in logits {
-        if l > first {
-            second = first;
-            first = l;
-        } else if l > second {
-            second = l;
-        }
+    match top_logits(logits, 2)[..] {
+        [(_, first), (_, second)] => first - second,
+        _ => f32::INFINITY,
     }
-    first - second
 }
 
 /// First position where `candidate` leaves `reference`, and the reference's margin there.
@@ -127,7 +122,13 @@ pub fn run(
     let forced = decode(candidate, &prompts, tokens, Some(&expected_tokens))?;
     let mut report = Vec::with_capacity(prompts.len());
     let (mut agreeing, mut max_logit_diff) = (0, 0f32);
-    for (((text, e), a), f) in texts.iter().zip(&expected).zip(&actual).zip(&forced) {
+    for ((((text, e), reference_tokens), a), f) in texts
+        .iter()
+        .zip(&expected)
+        .zip(&expected_tokens)
+        .zip(&actual)
+        .zip(&forced)
+    {
         let actual_tokens: Vec<u32> = a.iter().map(|x| x.token).collect();
         let divergence = first_divergence(e, &actual_tokens);
         let agree = e.iter().zip(f).filter(|(e, f)| e.token == f.token).count();
@@ -137,10 +138,9 @@ pub fn run(
                 max_logit_diff = max_logit_diff.max((x - y).abs());
             }
         }
-        let reference_tokens: Vec<u32> = e.iter().map(|x| x.token).collect();
         report.push(PromptParity {
             prompt: text.to_string(),
-            reference_text: tokenizer.decode(&reference_tokens, false)?,
+            reference_text: tokenizer.decode(reference_tokens, false)?,
             candidate_text: tokenizer.decode(&actual_tokens, false)?,
             first_mismatch: divergence.map(|d| d.0),
             margin_at_mismatch: divergence.map(|d| d.1),

@@ -9,11 +9,12 @@
 use super::answers::{self, Scorable, Split};
 use super::routing::{add_threshold_variants, follow};
 use serde::Serialize;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 use tokenrouter::config::{Config, ModelConfig};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
+use tokenrouter::engine::ops;
 use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use tokenrouter::error::EngineResult;
 use tokenrouter::runtime::{GenerateRequest, RoutingStats, Runtime, RuntimeError};
@@ -73,45 +74,34 @@ async fn serve_all(
     served: &str,
     settings: &QualityBenchSettings,
 ) -> Served {
-    let next = Rc::new(Cell::new(0usize));
     let outputs = Rc::new(RefCell::new(vec![None; prompts.len()]));
     let started = Instant::now();
-    let workers: Vec<_> = (0..settings.concurrency)
-        .map(|_| {
-            let (runtime, prompts, next, outputs) = (
-                runtime.clone(),
-                prompts.clone(),
-                next.clone(),
-                outputs.clone(),
-            );
-            let (served, max_tokens) = (served.to_string(), settings.max_tokens);
-            actix_rt::spawn(async move {
-                loop {
-                    let i = next.get();
-                    if i >= prompts.len() {
-                        break;
-                    }
-                    next.set(i + 1);
-                    let request = GenerateRequest {
-                        prompt: prompts[i].clone(),
-                        policy: Some(served.clone()),
-                        max_tokens,
-                        sampling: SamplingParams::greedy(),
-                        timeout: None,
-                        ignore_eos: false,
-                    };
-                    let result = match runtime.submit(request) {
-                        Ok(handle) => follow(handle).await.ok(),
-                        Err(_) => None,
-                    };
-                    outputs.borrow_mut()[i] = result.map(|f| (f.tokens, f.routing));
-                }
-            })
-        })
-        .collect();
-    for w in workers {
-        let _ = w.await;
-    }
+    let (job_outputs, max_tokens) = (outputs.clone(), settings.max_tokens);
+    let served: Rc<str> = served.into();
+    super::for_each_closed_loop(settings.concurrency, prompts.len(), move |i| {
+        let (runtime, prompts, outputs, served) = (
+            runtime.clone(),
+            prompts.clone(),
+            job_outputs.clone(),
+            served.clone(),
+        );
+        async move {
+            let request = GenerateRequest {
+                prompt: prompts[i].clone(),
+                policy: Some(served.to_string()),
+                max_tokens,
+                sampling: SamplingParams::greedy(),
+                timeout: None,
+                ignore_eos: false,
+            };
+            let result = match runtime.submit(request) {
+                Ok(handle) => follow(handle).await.ok(),
+                Err(_) => None,
+            };
+            outputs.borrow_mut()[i] = result.map(|f| (f.tokens, f.routing));
+        }
+    })
+    .await;
     let seconds = started.elapsed().as_secs_f64();
     let outputs = Rc::into_inner(outputs)
         .expect("workers finished")
@@ -187,7 +177,7 @@ fn oracle_routing(
     let mut reference_writes: Vec<Vec<bool>> =
         answers.iter().map(|a| vec![false; a.len()]).collect();
     teacher_forced(small, prompts, answers, |i, position, logits| {
-        let greedy = argmax(logits);
+        let greedy = ops::argmax(logits);
         reference_writes[i][position] = greedy != answers[i][position] as usize;
     })?;
     let tokens: usize = answers.iter().map(Vec::len).sum();
@@ -200,14 +190,6 @@ fn oracle_routing(
         .sum();
     let per_token = |n: usize| n as f64 / tokens.max(1) as f64;
     Ok((per_token(reference), 100.0 * per_token(handoffs)))
-}
-
-fn argmax(logits: &[f32]) -> usize {
-    logits
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map_or(0, |(i, _)| i)
 }
 
 /// −log softmax(logits)[token].

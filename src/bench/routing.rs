@@ -10,7 +10,7 @@
 use super::median;
 use super::workloads::{self, Workload};
 use serde::Serialize;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, ExecutionMode, PolicyConfig, StepCost};
@@ -411,7 +411,6 @@ async fn closed_loop(
     settings: &RoutingBenchSettings,
 ) -> Tally {
     let ignore_eos = settings.workload.ignores_eos();
-    let next = Rc::new(Cell::new(0usize));
     let tally = Rc::new(RefCell::new(Tally::default()));
     let request =
         move |prompt: Vec<u32>, policy: &str, max_tokens: usize, seed: u64| GenerateRequest {
@@ -425,66 +424,11 @@ async fn closed_loop(
             timeout: None,
             ignore_eos,
         };
-    let mut workers: Vec<_> = (0..concurrency)
-        .map(|_| {
-            let (runtime, prompts, next, tally) = (
-                runtime.clone(),
-                prompts.clone(),
-                next.clone(),
-                tally.clone(),
-            );
-            let (policy, requests, max_tokens) =
-                (policy.to_string(), settings.requests, settings.max_tokens);
-            actix_rt::spawn(async move {
-                loop {
-                    let i = next.get();
-                    if i >= requests {
-                        break;
-                    }
-                    next.set(i + 1);
-                    let prompt = prompts[i % prompts.len()].clone();
-                    let sent = Instant::now();
-                    let result =
-                        match runtime.submit(request(prompt, &policy, max_tokens, i as u64)) {
-                            Ok(handle) => follow(handle).await,
-                            Err(e) => Err(e),
-                        };
-                    let ended = Instant::now();
-                    let mut t = tally.borrow_mut();
-                    match result {
-                        Ok(f) => {
-                            t.completed += 1;
-                            t.tokens += f.tokens.len();
-                            t.handoffs += f.routing.handoffs;
-                            t.tokens_per_model
-                                .resize(f.routing.tokens_per_model.len(), 0);
-                            for (sum, n) in t
-                                .tokens_per_model
-                                .iter_mut()
-                                .zip(&f.routing.tokens_per_model)
-                            {
-                                *sum += n;
-                            }
-                            let first = f.times.first().copied().unwrap_or(ended);
-                            t.ttft_ms.push((first - sent).as_secs_f64() * 1e3);
-                            t.latency_ms.push((ended - sent).as_secs_f64() * 1e3);
-                            for pair in f.times.windows(2) {
-                                t.gaps
-                                    .push((pair[1], (pair[1] - pair[0]).as_secs_f64() * 1e3));
-                            }
-                            t.outputs.push((i, f.tokens));
-                        }
-                        Err(_) => t.failed += 1,
-                    }
-                }
-            })
-        })
-        .collect();
-    if let Some(length) = settings.long_prompt {
-        // Once every worker's request decodes, one long prompt arrives beside them.
+    // Once every worker's request decodes, one long prompt arrives beside them.
+    let long_prompt_worker = settings.long_prompt.map(|length| {
         let (runtime, tally, policy) = (runtime.clone(), tally.clone(), policy.to_string());
         let prompt = long_prompt(&prompts, length);
-        workers.push(actix_rt::spawn(async move {
+        actix_rt::spawn(async move {
             while tally.borrow().gaps.len() < 4 * concurrency {
                 actix_rt::time::sleep(Duration::from_millis(2)).await;
             }
@@ -493,10 +437,56 @@ async fn closed_loop(
                 let _ = follow(handle).await;
                 tally.borrow_mut().long_prompt_window = Some((sent, Instant::now()));
             }
-        }));
-    }
-    for w in workers {
-        let _ = w.await;
+        })
+    });
+    let policy: Rc<str> = policy.into();
+    let (job_tally, max_tokens) = (tally.clone(), settings.max_tokens);
+    super::for_each_closed_loop(concurrency, settings.requests, move |i| {
+        let (runtime, prompts, tally, policy) = (
+            runtime.clone(),
+            prompts.clone(),
+            job_tally.clone(),
+            policy.clone(),
+        );
+        async move {
+            let prompt = prompts[i % prompts.len()].clone();
+            let sent = Instant::now();
+            let result = match runtime.submit(request(prompt, &policy, max_tokens, i as u64)) {
+                Ok(handle) => follow(handle).await,
+                Err(e) => Err(e),
+            };
+            let ended = Instant::now();
+            let mut t = tally.borrow_mut();
+            match result {
+                Ok(f) => {
+                    t.completed += 1;
+                    t.tokens += f.tokens.len();
+                    t.handoffs += f.routing.handoffs;
+                    t.tokens_per_model
+                        .resize(f.routing.tokens_per_model.len(), 0);
+                    for (sum, n) in t
+                        .tokens_per_model
+                        .iter_mut()
+                        .zip(&f.routing.tokens_per_model)
+                    {
+                        *sum += n;
+                    }
+                    let first = f.times.first().copied().unwrap_or(ended);
+                    t.ttft_ms.push((first - sent).as_secs_f64() * 1e3);
+                    t.latency_ms.push((ended - sent).as_secs_f64() * 1e3);
+                    for pair in f.times.windows(2) {
+                        t.gaps
+                            .push((pair[1], (pair[1] - pair[0]).as_secs_f64() * 1e3));
+                    }
+                    t.outputs.push((i, f.tokens));
+                }
+                Err(_) => t.failed += 1,
+            }
+        }
+    })
+    .await;
+    if let Some(worker) = long_prompt_worker {
+        let _ = worker.await;
     }
     Rc::try_unwrap(tally)
         .ok()

@@ -363,10 +363,10 @@ impl DeferralHead {
 
     fn read(path: &Path, hidden: usize) -> Result<Self, String> {
         let t = load(path)?;
-        if let Some(lm_head) = ["lm_head.weight", "output.weight"]
+        let lm_head = ["lm_head.weight", "output.weight"]
             .into_iter()
-            .find(|name| t.contains_key(*name) && !t.contains_key("defer.weight"))
-        {
+            .find(|name| t.contains_key(*name));
+        if let (Some(lm_head), false) = (lm_head, t.contains_key("defer.weight")) {
             return Self::from_lm_head(&t, lm_head, hidden);
         }
         let head = Linear::load(&t, "defer", Some(hidden))?;
