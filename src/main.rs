@@ -3,6 +3,7 @@
 
 mod bench;
 mod fetch;
+mod training;
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
@@ -39,6 +40,72 @@ enum Command {
     Models(ModelsCommand),
     /// Delayed-batching thresholds from the Markov model of routing.
     Tune(TuneArgs),
+    /// Learned routers for the configured pair: collect traces, train.
+    #[command(subcommand)]
+    Router(RouterCommand),
+}
+
+#[derive(Subcommand)]
+enum RouterCommand {
+    /// The LLM answers the shipped questions; the SLM's features and a label per position.
+    Collect(RouterCollectArgs),
+    /// Train R2R's or CITER's router on collected traces.
+    Train(RouterTrainArgs),
+}
+
+#[derive(Args)]
+struct RouterCollectArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// The two-model policy whose pair (SLM first) the router is for.
+    #[arg(long, default_value = "r2r")]
+    policy: String,
+    /// Only the first N questions of each split, for quick runs.
+    #[arg(long)]
+    questions: Option<usize>,
+    /// Longest LLM answer per question.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Where the traces go (safetensors).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct RouterTrainArgs {
+    /// Traces written by `router collect`.
+    #[arg(long)]
+    traces: PathBuf,
+    #[arg(long, value_enum)]
+    kind: training::train::RouterKind,
+    /// What the router learns to flag.
+    #[arg(long, value_enum, default_value = "divergent")]
+    label: training::train::Label,
+    /// Where the router goes (safetensors, f16, with its threshold).
+    #[arg(long)]
+    out: PathBuf,
+    /// R2R's backbone width (the released routers: 1024).
+    #[arg(long, default_value_t = 128)]
+    width: usize,
+    /// R2R's residual blocks (the released routers: 6).
+    #[arg(long, default_value_t = 2)]
+    blocks: usize,
+    #[arg(long, default_value_t = 30)]
+    epochs: usize,
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    #[arg(long, default_value_t = 1e-3)]
+    learning_rate: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The shipped threshold sends this share of validation positions to the LLM.
+    #[arg(long, default_value_t = 0.3)]
+    target_share: f64,
+    /// R2R's rule, reported beside: keep this recall of the positions the SLM gets wrong.
+    #[arg(long, default_value_t = 0.95)]
+    target_recall: f64,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -347,6 +414,8 @@ fn main() {
         Command::Bench(BenchCommand::Load(args)) => run_bench_load(args),
         Command::Models(ModelsCommand::List { config, json }) => run_models_list(&config, json),
         Command::Tune(args) => run_tune(args),
+        Command::Router(RouterCommand::Collect(args)) => run_router_collect(args),
+        Command::Router(RouterCommand::Train(args)) => run_router_train(args),
         Command::Models(ModelsCommand::Fetch { config }) => {
             load_config(&config).and_then(|c| fetch::ensure_models_present(&c))
         }
@@ -651,6 +720,71 @@ fn run_bench_quality(args: BenchQualityArgs) -> anyhow::Result<()> {
         let path = bench::plots::quality(&rows, &reference, dir)
             .map_err(|e| anyhow!("cannot write the plot to {}: {e}", dir.display()))?;
         tracing::info!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn run_router_collect(args: RouterCollectArgs) -> anyhow::Result<()> {
+    if args.max_tokens == 0 || args.questions == Some(0) {
+        anyhow::bail!("--max-tokens and --questions must be positive");
+    }
+    let config = ready_config(&args.config)?;
+    let policy = config.policies.iter().find(|p| p.name == args.policy);
+    let Some([slm, llm]) = policy.and_then(|p| <&[String; 2]>::try_from(&p.models[..]).ok()) else {
+        anyhow::bail!(
+            "--policy `{}` must be a configured policy over two models (SLM, LLM)",
+            args.policy
+        );
+    };
+    let settings = training::collect::CollectSettings {
+        limit: args.questions,
+        max_tokens: args.max_tokens,
+    };
+    let traces = training::collect::collect(
+        pick_model(&config, Some(llm))?,
+        pick_model(&config, Some(slm))?,
+        &settings,
+    )?;
+    traces.save(&args.out)?;
+    let divergent = traces.label.iter().filter(|&&l| l == 1).count();
+    println!(
+        "{} positions ({} held out), SLM differs from the LLM at {:.1} %: {}",
+        traces.rows(),
+        traces.heldout.iter().filter(|&&h| h == 1).count(),
+        100.0 * divergent as f64 / traces.rows().max(1) as f64,
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn run_router_train(args: RouterTrainArgs) -> anyhow::Result<()> {
+    let fractions = [args.target_share, args.target_recall];
+    if fractions.iter().any(|f| !(*f > 0.0 && *f <= 1.0)) {
+        anyhow::bail!("--target-share and --target-recall must be in (0, 1]");
+    }
+    if [args.width, args.epochs, args.batch].contains(&0)
+        || !(args.learning_rate.is_finite() && args.learning_rate > 0.0)
+    {
+        anyhow::bail!("--width, --epochs, --batch and --learning-rate must be positive");
+    }
+    let traces = training::collect::Traces::load(&args.traces)?;
+    let settings = training::train::TrainSettings {
+        kind: args.kind,
+        label: args.label,
+        width: args.width,
+        blocks: args.blocks,
+        epochs: args.epochs,
+        batch: args.batch,
+        learning_rate: args.learning_rate,
+        seed: args.seed,
+        target_share: args.target_share,
+        target_recall: args.target_recall,
+    };
+    let report = training::train::train(&traces, &settings, &args.out)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", training::train::markdown(&report));
     }
     Ok(())
 }

@@ -14,6 +14,7 @@ use prompts::PROMPTS;
 use tokenrouter::engine::ops::argmax;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::policy::learned::{CiterRouter, HiddenScorer, R2rRouter};
 
 fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
     SeqWork {
@@ -314,4 +315,98 @@ async fn every_routing_policy_runs_on_the_real_pair_identically_in_all_modes() {
         }
         rt.shutdown();
     }
+}
+
+/// `router collect` and `router train` on the real pair, at a bounded size: the traces hold a
+/// row per answer position of both splits, the trained routers load into the policies with the
+/// threshold their report names, and a router trained on traces without enough questions to
+/// validate is refused with a message.
+#[test]
+fn router_collect_and_train_run_end_to_end_on_the_real_pair() {
+    if common::real_model().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let traces = dir.path().join("traces.safetensors");
+    let tokenrouter = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            stderr,
+        )
+    };
+    let (ok, stdout, stderr) = tokenrouter(&[
+        "router",
+        "collect",
+        "--questions",
+        "5",
+        "--max-tokens",
+        "6",
+        "--out",
+        traces.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    // Five questions per split, up to six answer positions each.
+    let rows: usize = stdout.split_whitespace().next().unwrap().parse().unwrap();
+    assert!((10..=60).contains(&rows), "{stdout}");
+    for kind in ["r2r", "citer"] {
+        let router = dir.path().join(format!("{kind}.safetensors"));
+        let (ok, stdout, stderr) = tokenrouter(&[
+            "router",
+            "train",
+            "--traces",
+            traces.to_str().unwrap(),
+            "--kind",
+            kind,
+            "--label",
+            "differs",
+            "--epochs",
+            "2",
+            "--width",
+            "16",
+            "--blocks",
+            "1",
+            "--out",
+            router.to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let threshold = report["share_rule"]["threshold"].as_f64().unwrap() as f32;
+        let saved = match kind {
+            "r2r" => R2rRouter::load(&router, 576).unwrap().threshold,
+            _ => CiterRouter::load(&router, 576).unwrap().threshold(),
+        };
+        assert_eq!(saved, Some(threshold), "{report}");
+        let auc = report["heldout_auc"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&auc), "{report}");
+    }
+    let (ok, _, stderr) = tokenrouter(&[
+        "router",
+        "collect",
+        "--questions",
+        "1",
+        "--max-tokens",
+        "2",
+        "--out",
+        traces.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = tokenrouter(&[
+        "router",
+        "train",
+        "--traces",
+        traces.to_str().unwrap(),
+        "--kind",
+        "r2r",
+        "--out",
+        dir.path().join("x").to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("collect more questions"), "{stderr}");
 }

@@ -14,8 +14,10 @@ use std::rc::Rc;
 use std::time::Instant;
 use tokenrouter::config::{Config, ModelConfig};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
-use tokenrouter::engine::ops;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::engine::tokenizer::ModelTokenizer;
+use tokenrouter::engine::{
+    Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor, StepOutput,
+};
 use tokenrouter::error::EngineResult;
 use tokenrouter::runtime::{GenerateRequest, RoutingStats, Runtime, RuntimeError};
 
@@ -110,13 +112,14 @@ async fn serve_all(
 }
 
 /// Feeds every answer after its prompt through `executor`, one token per step, `NLL_BATCH`
-/// sequences together, and calls `visit(answer, position, logits)` with the logits that
-/// predict `answers[answer][position]`.
-fn teacher_forced(
+/// sequences together, and calls `visit(answer, position, output)` with the step output that
+/// predicts `answers[answer][position]`.
+pub(crate) fn teacher_forced(
     executor: &mut dyn StepExecutor,
     prompts: &[Vec<u32>],
     answers: &[Vec<u32>],
-    mut visit: impl FnMut(usize, usize, &[f32]),
+    needs: Needs,
+    mut visit: impl FnMut(usize, usize, &StepOutput),
 ) -> EngineResult<()> {
     let indices: Vec<usize> = (0..prompts.len())
         .filter(|&i| !answers[i].is_empty())
@@ -138,11 +141,11 @@ fn teacher_forced(
                         _ => vec![answers[i][step - 1]],
                     },
                     sampling: SamplingParams::greedy(),
-                    needs: Needs::default(),
+                    needs,
                 })
                 .collect();
             for (out, &i) in executor.step(&work)?.iter().zip(&live) {
-                visit(i, step, &out.logits);
+                visit(i, step, out);
             }
         }
         for &i in chunk {
@@ -159,10 +162,16 @@ fn mean_nll(
     answers: &[Vec<u32>],
 ) -> EngineResult<f64> {
     let (mut total, mut count) = (0.0, 0usize);
-    teacher_forced(executor, prompts, answers, |i, position, logits| {
-        total += negative_log_likelihood(logits, answers[i][position]);
-        count += 1;
-    })?;
+    teacher_forced(
+        executor,
+        prompts,
+        answers,
+        Needs::default(),
+        |i, position, out| {
+            total += negative_log_likelihood(&out.logits, answers[i][position]);
+            count += 1;
+        },
+    )?;
     Ok(total / count.max(1) as f64)
 }
 
@@ -176,10 +185,15 @@ fn oracle_routing(
 ) -> EngineResult<(f64, f64)> {
     let mut reference_writes: Vec<Vec<bool>> =
         answers.iter().map(|a| vec![false; a.len()]).collect();
-    teacher_forced(small, prompts, answers, |i, position, logits| {
-        let greedy = ops::argmax(logits);
-        reference_writes[i][position] = greedy != answers[i][position] as usize;
-    })?;
+    teacher_forced(
+        small,
+        prompts,
+        answers,
+        Needs::default(),
+        |i, position, out| {
+            reference_writes[i][position] = out.candidate != answers[i][position];
+        },
+    )?;
     let tokens: usize = answers.iter().map(Vec::len).sum();
     let reference: usize = reference_writes.iter().flatten().filter(|&&w| w).count();
     let handoffs: usize = reference_writes
@@ -197,6 +211,21 @@ fn negative_log_likelihood(logits: &[f32], token: u32) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
     max + sum.ln() - logits[token as usize] as f64
+}
+
+/// Each question as a one-message chat, rendered with the model's template and tokenized.
+pub(crate) fn chat_prompts(
+    tokenizer: &ModelTokenizer,
+    questions: &[Scorable],
+) -> Result<Vec<Vec<u32>>, RuntimeError> {
+    let template = ChatTemplate::for_model(tokenizer)?;
+    questions
+        .iter()
+        .map(|q| {
+            let messages = [ChatMessage::user(q.question.question.clone())];
+            Ok(tokenizer.encode(&template.render(&messages, true)?)?)
+        })
+        .collect()
 }
 
 /// Every question of the split (at most `limit`), scorable against the whole set's groups.
@@ -239,15 +268,8 @@ pub async fn run(
         .collect();
     let reference_index = names.iter().position(|n| n == &settings.reference);
     let tokenizer = runtime.tokenizer()?.clone();
-    let template = ChatTemplate::for_model(&tokenizer)?;
     let questions = selected_questions(settings)?;
-    let prompts: Vec<Vec<u32>> = questions
-        .iter()
-        .map(|q| {
-            let messages = [ChatMessage::user(q.question.question.clone())];
-            Ok(tokenizer.encode(&template.render(&messages, true)?)?)
-        })
-        .collect::<Result<_, RuntimeError>>()?;
+    let prompts = chat_prompts(&tokenizer, &questions)?;
     let longest_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
     // Teacher forcing holds NLL_BATCH whole answers at once, whatever the serving budget.
     let forcing = |model: &ModelConfig| ModelConfig {

@@ -19,6 +19,16 @@ use std::path::Path;
 
 /// Number of top logits R2R's router reads.
 pub const R2R_TOP_K: usize = 100;
+/// Stands in for the logits a vocabulary smaller than `R2R_TOP_K` lacks: very unlikely.
+const MISSING_LOGIT: f32 = -1e4;
+
+/// Appends R2R's logits input for one row: the `(token, logit)` pairs' logits, largest first,
+/// padded to `R2R_TOP_K`.
+pub fn padded_top_logits(top_k: &[(u32, f32)], out: &mut Vec<f32>) {
+    let row_start = out.len();
+    out.extend(top_k.iter().take(R2R_TOP_K).map(|&(_, l)| l));
+    out.resize(row_start + R2R_TOP_K, MISSING_LOGIT);
+}
 
 type Tensors = HashMap<String, Tensor>;
 
@@ -40,6 +50,16 @@ fn at<T>(path: &Path, loaded: Result<T, String>) -> Result<T, PolicyError> {
 /// A learned router that scores each row of a batch of the small model's hidden states.
 pub trait HiddenScorer: Send + Sync {
     fn score(&self, hidden: &[f32]) -> Vec<f32>;
+    /// The threshold saved with the weights, if any.
+    fn threshold(&self) -> Option<f32>;
+}
+
+/// The optional scalar `threshold` a router file carries (`router train` writes one).
+fn saved_threshold(t: &Tensors) -> Result<Option<f32>, String> {
+    match t.get("threshold") {
+        Some(_) => Ok(get(t, "threshold")?.1.first().copied()),
+        None => Ok(None),
+    }
 }
 
 fn get(t: &Tensors, name: &str) -> Result<(Vec<usize>, Vec<f32>), String> {
@@ -238,11 +258,8 @@ impl R2rRouter {
             let norm = LayerNorm::load(&t, &block("norm"), width)?;
             blocks.push((norm, fc1, fc2));
         }
-        let threshold = match t.get("threshold") {
-            Some(_) => get(&t, "threshold")?.1.first().copied(),
-            None => None,
-        };
         Ok(Self {
+            threshold: saved_threshold(&t)?,
             hidden,
             topk_proj,
             input_proj,
@@ -250,7 +267,6 @@ impl R2rRouter {
             blocks,
             final_norm: LayerNorm::load(&t, &name("final_norm"), width)?,
             head: Linear::load(&t, &name("head"), Some(width))?,
-            threshold,
         })
     }
 
@@ -288,6 +304,7 @@ pub struct CiterRouter {
     bn_shift: Vec<f32>,
     fc2: Linear,
     head: Linear,
+    threshold: Option<f32>,
 }
 
 impl CiterRouter {
@@ -331,6 +348,7 @@ impl CiterRouter {
             bn_shift,
             fc2,
             head,
+            threshold: saved_threshold(&t)?,
         })
     }
 }
@@ -349,11 +367,16 @@ impl HiddenScorer for CiterRouter {
             .map(sigmoid)
             .collect()
     }
+
+    fn threshold(&self) -> Option<f32> {
+        self.threshold
+    }
 }
 
 /// Co-LLM's deferral head: one extra LM-head row over the base model's hidden state.
 pub struct DeferralHead {
     head: Linear,
+    threshold: Option<f32>,
 }
 
 impl DeferralHead {
@@ -366,18 +389,20 @@ impl DeferralHead {
         let lm_head = ["lm_head.weight", "output.weight"]
             .into_iter()
             .find(|name| t.contains_key(*name));
+        let threshold = saved_threshold(&t)?;
         if let (Some(lm_head), false) = (lm_head, t.contains_key("defer.weight")) {
-            return Self::from_lm_head(&t, lm_head, hidden);
+            let head = Self::last_row(&t, lm_head, hidden)?;
+            return Ok(Self { head, threshold });
         }
         let head = Linear::load(&t, "defer", Some(hidden))?;
         if head.n_out != 1 {
             return Err(format!("`defer.weight` must be [1, {hidden}]"));
         }
-        Ok(Self { head })
+        Ok(Self { head, threshold })
     }
 
     /// Co-LLM's release: the `<|defer|>` token is the last row of the fine-tuned LM head.
-    fn from_lm_head(t: &Tensors, name: &str, hidden: usize) -> Result<Self, String> {
+    fn last_row(t: &Tensors, name: &str, hidden: usize) -> Result<Linear, String> {
         let (dims, weight) = get(t, name)?;
         let [rows, columns] = dims[..] else {
             return Err(format!("`{name}` must be 2-D, is {dims:?}"));
@@ -387,13 +412,11 @@ impl DeferralHead {
                 "`{name}` is [{rows}, {columns}]; its rows must have the model's {hidden} entries"
             ));
         }
-        Ok(Self {
-            head: Linear {
-                n_in: hidden,
-                n_out: 1,
-                weight: weight[(rows - 1) * hidden..].to_vec(),
-                bias: vec![0.0],
-            },
+        Ok(Linear {
+            n_in: hidden,
+            n_out: 1,
+            weight: weight[(rows - 1) * hidden..].to_vec(),
+            bias: vec![0.0],
         })
     }
 }
@@ -401,6 +424,10 @@ impl DeferralHead {
 impl HiddenScorer for DeferralHead {
     fn score(&self, hidden: &[f32]) -> Vec<f32> {
         self.head.forward(hidden).into_iter().map(sigmoid).collect()
+    }
+
+    fn threshold(&self) -> Option<f32> {
+        self.threshold
     }
 }
 

@@ -49,7 +49,9 @@ impl OneTokenHandoff {
             name: name.into(),
             flavor,
             models,
-            threshold: threshold.unwrap_or(default),
+            threshold: threshold
+                .or(router.as_ref().and_then(|r| r.threshold()))
+                .unwrap_or(default),
             router,
         }
     }

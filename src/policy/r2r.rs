@@ -3,7 +3,7 @@
 //! Learned router: p = MLP(SLM hidden, candidate embedding, top-100 logits), LLM iff p ≥ θ.
 //! Without weights: the R2R repo's own training-free rule, SLM entropy ≥ θ nats (0.45).
 
-use super::learned::{R2rRouter, R2R_TOP_K};
+use super::learned::{padded_top_logits, R2rRouter, R2R_TOP_K};
 use super::{
     hidden_rows, one_token_handoffs, slm_stats, ModelIdx, PolicyInfo, PolicyKind, RequestInfo,
     Route, RoutingPolicy, RoutingState, StepView,
@@ -12,7 +12,6 @@ use crate::engine::Needs;
 
 pub const DEFAULT_LEARNED_THRESHOLD: f32 = 0.5;
 pub const DEFAULT_ENTROPY_THRESHOLD: f32 = 0.45;
-const MISSING_LOGIT: f32 = -1e4;
 
 pub struct R2r {
     name: String,
@@ -75,10 +74,7 @@ impl RoutingPolicy for R2r {
                 let mut top = Vec::new();
                 for s in steps.iter().filter(|s| s.model == slm) {
                     embedding.extend_from_slice(s.embedding.expect("R2R asks for the embedding"));
-                    let row_start = top.len();
-                    top.extend(s.stats.top_k.iter().map(|&(_, l)| l));
-                    // A vocabulary smaller than 100 pads with very unlikely logits.
-                    top.resize(row_start + R2R_TOP_K, MISSING_LOGIT);
+                    padded_top_logits(&s.stats.top_k, &mut top);
                 }
                 router.score(&hidden_rows(steps, slm), &embedding, &top)
             }

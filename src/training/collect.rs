@@ -1,0 +1,267 @@
+//! `router collect`: the traces a router learns from. The LLM answers each shipped question
+//! greedily; the SLM is then teacher-forced along that answer, and every answer position
+//! yields the SLM's features as R2R and CITER read them while serving (hidden state after the
+//! final norm, the 100 largest logits, the candidate's input embedding) and two labels:
+//! - `label`: the SLM's greedy token differs from the LLM's;
+//! - `divergent` (R2R's stricter label, with the answer scorer as its judge): the SLM's token
+//!   differs *and* the LLM, continuing greedily after it, no longer answers correctly where
+//!   its own answer was correct. Only these positions cost accuracy when the SLM writes them.
+
+use crate::bench::answers::{self, Scorable, Split};
+use crate::bench::quality::{chat_prompts, teacher_forced};
+use anyhow::{bail, Context};
+use candle_core::{Device, Tensor};
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use tokenrouter::config::ModelConfig;
+use tokenrouter::engine::tokenizer::ModelTokenizer;
+use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::error::EngineResult;
+use tokenrouter::policy::learned::{padded_top_logits, R2R_TOP_K};
+
+/// Sequences the LLM answers together.
+const ANSWER_BATCH: usize = 16;
+
+/// One row per answer position, features row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Traces {
+    pub hidden_size: usize,
+    /// `[rows, hidden_size]`: the SLM's final hidden state.
+    pub hidden: Vec<f32>,
+    /// `[rows, hidden_size]`: the input embedding of the SLM's greedy candidate.
+    pub embedding: Vec<f32>,
+    /// `[rows, R2R_TOP_K]`: the SLM's largest logits, largest first.
+    pub top_logits: Vec<f32>,
+    /// The SLM's greedy candidate.
+    pub token: Vec<u32>,
+    /// 1 where the SLM's greedy token differs from the LLM's.
+    pub label: Vec<u8>,
+    /// 1 where the SLM's token turns the LLM's correct answer into a wrong one.
+    pub divergent: Vec<u8>,
+    /// 1 where the position belongs to a held-out question (evaluation only).
+    pub heldout: Vec<u8>,
+    /// Index of the question in the shipped set.
+    pub question: Vec<u32>,
+}
+
+impl Traces {
+    fn empty(hidden_size: usize) -> Self {
+        Traces {
+            hidden_size,
+            hidden: Vec::new(),
+            embedding: Vec::new(),
+            top_logits: Vec::new(),
+            token: Vec::new(),
+            label: Vec::new(),
+            divergent: Vec::new(),
+            heldout: Vec::new(),
+            question: Vec::new(),
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.label.len()
+    }
+
+    pub fn save(&self, path: &Path) -> anyhow::Result<()> {
+        let (n, h) = (self.rows(), self.hidden_size);
+        let cpu = &Device::Cpu;
+        let tensors: HashMap<&str, Tensor> = HashMap::from([
+            ("hidden", Tensor::from_slice(&self.hidden, (n, h), cpu)?),
+            (
+                "embedding",
+                Tensor::from_slice(&self.embedding, (n, h), cpu)?,
+            ),
+            (
+                "top_logits",
+                Tensor::from_slice(&self.top_logits, (n, R2R_TOP_K), cpu)?,
+            ),
+            ("token", Tensor::from_slice(&self.token, n, cpu)?),
+            ("label", Tensor::from_slice(&self.label, n, cpu)?),
+            ("divergent", Tensor::from_slice(&self.divergent, n, cpu)?),
+            ("heldout", Tensor::from_slice(&self.heldout, n, cpu)?),
+            ("question", Tensor::from_slice(&self.question, n, cpu)?),
+        ]);
+        candle_core::safetensors::save(&tensors, path)
+            .with_context(|| format!("cannot write traces to {}", path.display()))
+    }
+
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+            .with_context(|| format!("cannot read traces from {}", path.display()))?;
+        let get = |name: &str| {
+            tensors.get(name).with_context(|| {
+                format!(
+                    "{} lacks `{name}`: not a `router collect` file",
+                    path.display()
+                )
+            })
+        };
+        let hidden = get("hidden")?;
+        let (rows, hidden_size) = hidden.dims2()?;
+        let traces = Traces {
+            hidden_size,
+            hidden: hidden.flatten_all()?.to_vec1()?,
+            embedding: get("embedding")?.flatten_all()?.to_vec1()?,
+            top_logits: get("top_logits")?.flatten_all()?.to_vec1()?,
+            token: get("token")?.to_vec1()?,
+            label: get("label")?.to_vec1()?,
+            divergent: get("divergent")?.to_vec1()?,
+            heldout: get("heldout")?.to_vec1()?,
+            question: get("question")?.to_vec1()?,
+        };
+        let consistent = traces.embedding.len() == rows * hidden_size
+            && traces.top_logits.len() == rows * R2R_TOP_K
+            && [&traces.label, &traces.divergent, &traces.heldout]
+                .iter()
+                .all(|c| c.len() == rows)
+            && traces.token.len() == rows
+            && traces.question.len() == rows;
+        if !consistent {
+            bail!("{}: its tensors disagree on the row count", path.display());
+        }
+        Ok(traces)
+    }
+}
+
+pub struct CollectSettings {
+    /// Questions per split, the first of each (`None`: all).
+    pub limit: Option<usize>,
+    pub max_tokens: usize,
+}
+
+/// Greedy answers of `executor` to `prompts`, each ending after an end-of-sequence token or
+/// `budgets[i]` tokens (the end token is kept: predicting it is a position too).
+fn greedy_answers(
+    executor: &mut dyn StepExecutor,
+    prompts: &[Vec<u32>],
+    budgets: &[usize],
+    eos: &BTreeSet<u32>,
+) -> EngineResult<Vec<Vec<u32>>> {
+    let mut answers = vec![Vec::new(); prompts.len()];
+    let indices: Vec<usize> = (0..prompts.len()).filter(|&i| budgets[i] > 0).collect();
+    for chunk in indices.chunks(ANSWER_BATCH) {
+        let mut live = chunk.to_vec();
+        while !live.is_empty() {
+            let work: Vec<SeqWork> = live
+                .iter()
+                .map(|&i| SeqWork {
+                    seq: SeqId(i as u64),
+                    tokens: answers[i].last().map_or(prompts[i].clone(), |&t| vec![t]),
+                    sampling: SamplingParams::greedy(),
+                    needs: Needs::default(),
+                })
+                .collect();
+            for (out, &i) in executor.step(&work)?.iter().zip(&live) {
+                answers[i].push(out.candidate);
+            }
+            live.retain(|&i| {
+                let done = answers[i].len() >= budgets[i]
+                    || answers[i].last().is_some_and(|t| eos.contains(t));
+                !done
+            });
+        }
+        for &i in chunk {
+            executor.free(SeqId(i as u64));
+        }
+    }
+    Ok(answers)
+}
+
+/// Traces of the pair over the shipped questions of both splits (the held-out rows are marked
+/// and serve only to evaluate).
+pub fn collect(
+    llm: &ModelConfig,
+    slm: &ModelConfig,
+    settings: &CollectSettings,
+) -> anyhow::Result<Traces> {
+    let tokenizer = ModelTokenizer::load(&llm.path)?;
+    let all = answers::questions().map_err(anyhow::Error::msg)?;
+    let mut chosen = Vec::new();
+    for split in [Split::Train, Split::Heldout] {
+        let of_split = answers::scorable(&all)
+            .into_iter()
+            .enumerate()
+            .filter(|(_, q)| q.question.split == split);
+        chosen.extend(of_split.take(settings.limit.unwrap_or(usize::MAX)));
+    }
+    let (indices, questions): (Vec<usize>, Vec<_>) = chosen.into_iter().unzip();
+    let prompts = chat_prompts(&tokenizer, &questions)?;
+    let mut llm = Executor::load(llm)?;
+    let budgets = vec![settings.max_tokens; prompts.len()];
+    let answers = greedy_answers(&mut llm, &prompts, &budgets, &tokenizer.eos)?;
+    let mut slm = Executor::load(slm)?;
+    let mut traces = Traces::empty(slm.hidden_size());
+    let mut positions = Vec::new();
+    let needs = Needs {
+        hidden: true,
+        top_k: R2R_TOP_K,
+        embedding: true,
+    };
+    teacher_forced(&mut slm, &prompts, &answers, needs, |i, position, out| {
+        let features = (out.hidden.as_ref(), out.candidate_embedding.as_ref());
+        let (Some(hidden), Some(embedding)) = features else {
+            unreachable!("the executor returns what `needs` asks for");
+        };
+        traces.hidden.extend_from_slice(hidden);
+        traces.embedding.extend_from_slice(embedding);
+        padded_top_logits(&out.stats.top_k, &mut traces.top_logits);
+        traces.token.push(out.candidate);
+        traces
+            .label
+            .push(u8::from(out.candidate != answers[i][position]));
+        traces
+            .heldout
+            .push(u8::from(questions[i].question.split == Split::Heldout));
+        traces.question.push(indices[i] as u32);
+        positions.push((i, position, out.candidate));
+    })?;
+    drop(slm);
+    traces.divergent = divergence(
+        &mut llm, &tokenizer, &questions, &prompts, &answers, &positions,
+    )?;
+    Ok(traces)
+}
+
+/// R2R's divergence label per trace row (`rows[r]` = question, answer position, SLM token):
+/// where the SLM's token differs from the LLM's and the LLM answered correctly, the LLM
+/// continues greedily after the SLM's token to the same answer length; the row is divergent
+/// when that answer is no longer correct.
+fn divergence(
+    llm: &mut dyn StepExecutor,
+    tokenizer: &ModelTokenizer,
+    questions: &[Scorable],
+    prompts: &[Vec<u32>],
+    answers: &[Vec<u32>],
+    rows: &[(usize, usize, u32)],
+) -> anyhow::Result<Vec<u8>> {
+    let mut correct = Vec::with_capacity(answers.len());
+    for (q, answer) in questions.iter().zip(answers) {
+        correct.push(q.is_correct(&tokenizer.decode(answer, true)?));
+    }
+    let judged: Vec<usize> = (0..rows.len())
+        .filter(|&r| {
+            let (i, position, token) = rows[r];
+            correct[i] && token != answers[i][position]
+        })
+        .collect();
+    let (mut prefixes, mut written, mut budgets) = (Vec::new(), Vec::new(), Vec::new());
+    for &r in &judged {
+        let (i, position, token) = rows[r];
+        let mut answer = answers[i][..position].to_vec();
+        answer.push(token);
+        prefixes.push([&prompts[i][..], &answer].concat());
+        budgets.push(match tokenizer.eos.contains(&token) {
+            true => 0,
+            false => answers[i].len() - answer.len(),
+        });
+        written.push(answer);
+    }
+    let continuations = greedy_answers(llm, &prefixes, &budgets, &tokenizer.eos)?;
+    let mut divergent = vec![0; rows.len()];
+    for ((&r, answer), continuation) in judged.iter().zip(&written).zip(&continuations) {
+        let text = tokenizer.decode(&[&answer[..], continuation].concat(), true)?;
+        divergent[r] = u8::from(!questions[rows[r].0].is_correct(&text));
+    }
+    Ok(divergent)
+}
