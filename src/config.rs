@@ -7,38 +7,54 @@ use std::path::{Path, PathBuf};
 
 pub const DEFAULT_CONFIG_PATH: &str = "config/default.toml";
 
-/// The default config and the step profiles it names, carried by the binary: where such a
-/// relative path does not exist (a binary copied into an empty directory), its carried copy
-/// is read instead.
-const CARRIED_FILES: [(&str, &str); 3] = [
-    (DEFAULT_CONFIG_PATH, include_str!("../config/default.toml")),
+/// The default config and the step profiles and router weights it names, carried by the
+/// binary: where such a relative path does not exist (a binary copied into an empty
+/// directory), its carried copy is read instead.
+const CARRIED_FILES: [(&str, &[u8]); 5] = [
+    (
+        DEFAULT_CONFIG_PATH,
+        include_bytes!("../config/default.toml"),
+    ),
     (
         "config/profiles/smollm2-135m.json",
-        include_str!("../config/profiles/smollm2-135m.json"),
+        include_bytes!("../config/profiles/smollm2-135m.json"),
     ),
     (
         "config/profiles/smollm2-135m-skip7.json",
-        include_str!("../config/profiles/smollm2-135m-skip7.json"),
+        include_bytes!("../config/profiles/smollm2-135m-skip7.json"),
+    ),
+    (
+        "config/routers/r2r.safetensors",
+        include_bytes!("../config/routers/r2r.safetensors"),
+    ),
+    (
+        "config/routers/citer.safetensors",
+        include_bytes!("../config/routers/citer.safetensors"),
     ),
 ];
 
 /// Reads `path`, or the binary's carried copy of it when it does not exist.
-fn read_or_carried(path: &Path) -> std::io::Result<String> {
-    match std::fs::read_to_string(path) {
+pub fn read_or_carried(path: &Path) -> std::io::Result<Vec<u8>> {
+    match std::fs::read(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             match CARRIED_FILES
                 .iter()
                 .find(|(name, _)| Path::new(name) == path)
             {
-                Some((name, text)) => {
+                Some((name, bytes)) => {
                     tracing::info!("{name} not found here: using the copy built into the binary");
-                    Ok(text.to_string())
+                    Ok(bytes.to_vec())
                 }
                 None => Err(e),
             }
         }
         other => other,
     }
+}
+
+fn read_text_or_carried(path: &Path) -> std::io::Result<String> {
+    String::from_utf8(read_or_carried(path)?)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -88,6 +104,9 @@ pub struct ServerConfig {
     /// A client must send a request's headers within this, or gets 408 and is closed (idle
     /// and slow-loris clients do not hold connections).
     pub header_timeout_ms: u64,
+    /// A request's body must arrive within this after its headers, or it gets 408 and the
+    /// connection is closed (actix-web has no knob for body reads; the handlers time them).
+    pub body_timeout_ms: u64,
     /// How long a closing connection may take to shut down cleanly before it is dropped.
     pub disconnect_timeout_ms: u64,
 }
@@ -109,6 +128,7 @@ impl Default for ServerConfig {
             max_connections: 2048,
             keep_alive_s: 5.0,
             header_timeout_ms: 5000,
+            body_timeout_ms: 10_000,
             disconnect_timeout_ms: 1000,
         }
     }
@@ -500,7 +520,7 @@ fn default_kv_tokens() -> usize {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = read_or_carried(path).map_err(|source| ConfigError::Read {
+        let text = read_text_or_carried(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
@@ -611,6 +631,7 @@ impl Config {
             ("max_concurrent_requests", server.max_concurrent_requests),
             ("max_connections", server.max_connections),
             ("header_timeout_ms", server.header_timeout_ms as usize),
+            ("body_timeout_ms", server.body_timeout_ms as usize),
         ] {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!(
@@ -736,7 +757,7 @@ impl ModelConfig {
                 path.display()
             ))
         };
-        let text = read_or_carried(path).map_err(|e| invalid(e.to_string()))?;
+        let text = read_text_or_carried(path).map_err(|e| invalid(e.to_string()))?;
         let profile: StepProfile = serde_json::from_str(&text).map_err(|e| {
             invalid(format!(
                 "not a `tokenrouter bench engine --json` report ({e})"
@@ -874,6 +895,7 @@ mod tests {
         assert!(err.contains("weights") || err.contains("variant"), "{err}");
         for (line, field) in [
             ("header_timeout_ms = 0", "server.header_timeout_ms"),
+            ("body_timeout_ms = 0", "server.body_timeout_ms"),
             ("max_connections = 0", "server.max_connections"),
             ("keep_alive_s = -1.0", "server.keep_alive_s"),
         ] {

@@ -250,3 +250,43 @@ fn a_client_that_never_finishes_its_headers_is_closed() {
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
     assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
 }
+
+/// A client that sends its headers but withholds the rest of the body is answered 408 with an
+/// OpenAI-style error once `body_timeout_ms` passes, and its connection is closed.
+#[test]
+fn a_client_that_withholds_its_body_gets_408_and_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&write_tiny_config_with(
+        dir.path(),
+        0.0,
+        8192,
+        "body_timeout_ms = 300",
+    ));
+    let address = server.base.trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&address).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    use std::io::Write;
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"model\": ",
+    )
+    .unwrap();
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    slow.read_to_end(&mut answer).unwrap();
+    let waited = started.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(answer.contains(r#""type":"timeout_error""#), "{answer:?}");
+    assert!(
+        answer.contains("did not arrive within 300 ms"),
+        "{answer:?}"
+    );
+    assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"model": "me", "prompt": "the city", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+}

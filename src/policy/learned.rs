@@ -32,11 +32,14 @@ pub fn padded_top_logits(top_k: &[(u32, f32)], out: &mut Vec<f32>) {
 
 type Tensors = HashMap<String, Tensor>;
 
+/// The file's tensors; the default config's routers are also carried by the binary.
 fn load(path: &Path) -> Result<Tensors, String> {
-    if !path.exists() {
-        return Err("not found".into());
-    }
-    candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| format!("cannot read: {e}"))
+    let bytes = crate::config::read_or_carried(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => "not found".to_string(),
+        _ => format!("cannot read: {e}"),
+    })?;
+    candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+        .map_err(|e| format!("cannot read: {e}"))
 }
 
 /// Names the file in a loader's error.

@@ -47,7 +47,7 @@ pub async fn put_policy(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, &req)?;
-    let body = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let body = read_json(&req, payload, &state.config).await?;
     let update: PolicyUpdate = parse(&body)?;
     let registry = state.runtime.update_policies(&update)?;
     Ok(HttpResponse::Ok().json(RegistryView::new(&registry, &state.runtime.model_names())))

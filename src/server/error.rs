@@ -43,6 +43,9 @@ pub enum ApiError {
     Overloaded(String),
     #[error("{0}")]
     DeadlineExceeded(String),
+    /// The body did not arrive in time; the connection is closed with the answer.
+    #[error("the request body did not arrive within {after_ms} ms")]
+    BodyTimeout { after_ms: u64 },
     #[error("{0}")]
     Internal(String),
 }
@@ -60,7 +63,7 @@ impl ApiError {
             ApiError::Unauthorized | ApiError::AdminDisabled => "authentication_error",
             ApiError::Unavailable(_) | ApiError::Internal(_) => "server_error",
             ApiError::Overloaded(_) => "overloaded_error",
-            ApiError::DeadlineExceeded(_) => "timeout_error",
+            ApiError::DeadlineExceeded(_) | ApiError::BodyTimeout { .. } => "timeout_error",
             _ => "invalid_request_error",
         }
     }
@@ -125,7 +128,9 @@ impl ResponseError for ApiError {
             ApiError::AdminDisabled => StatusCode::FORBIDDEN,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::DeadlineExceeded(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::DeadlineExceeded(_) | ApiError::BodyTimeout { .. } => {
+                StatusCode::REQUEST_TIMEOUT
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -134,6 +139,9 @@ impl ResponseError for ApiError {
         let mut response = HttpResponse::build(self.status_code());
         if matches!(self, ApiError::Overloaded(_) | ApiError::Unavailable(_)) {
             response.insert_header(("Retry-After", RETRY_AFTER_SECONDS.to_string()));
+        }
+        if matches!(self, ApiError::BodyTimeout { .. }) {
+            response.force_close();
         }
         response.json(self.body())
     }

@@ -36,7 +36,7 @@ async fn read_request<T: serde::de::DeserializeOwned>(
     req: &HttpRequest,
     payload: web::Payload,
 ) -> Result<(T, GenerationOptions), ApiError> {
-    let body: Value = read_json(req, payload, state.config.max_body_bytes).await?;
+    let body: Value = read_json(req, payload, &state.config).await?;
     let parsed = (super::parse(&body)?, super::parse(&body)?);
     refuse_unimplemented(&body)?;
     Ok(parsed)

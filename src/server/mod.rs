@@ -107,12 +107,31 @@ async fn wrong_method(req: HttpRequest) -> Result<HttpResponse, ApiError> {
     })
 }
 
-/// Reads a JSON body of at most `limit` bytes (413 beyond; 400 for anything not JSON).
+/// Reads a JSON body of at most `config.max_body_bytes` (413 beyond; 400 for anything not
+/// JSON) within `config.body_timeout_ms` (408 and the connection closed past it).
 async fn read_json(
+    req: &HttpRequest,
+    payload: web::Payload,
+    config: &ServerConfig,
+) -> Result<serde_json::Value, ApiError> {
+    let timeout = Duration::from_millis(config.body_timeout_ms);
+    let read = read_body(req, payload, config.max_body_bytes);
+    let body = actix_web::rt::time::timeout(timeout, read)
+        .await
+        .map_err(|_| ApiError::BodyTimeout {
+            after_ms: config.body_timeout_ms,
+        })??;
+    serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest {
+        message: format!("the body is not valid JSON: {e}"),
+        param: None,
+    })
+}
+
+async fn read_body(
     req: &HttpRequest,
     mut payload: web::Payload,
     limit: usize,
-) -> Result<serde_json::Value, ApiError> {
+) -> Result<web::BytesMut, ApiError> {
     let declared = req
         .headers()
         .get("content-length")
@@ -130,10 +149,7 @@ async fn read_json(
         }
         body.extend_from_slice(&chunk);
     }
-    serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest {
-        message: format!("the body is not valid JSON: {e}"),
-        param: None,
-    })
+    Ok(body)
 }
 
 /// Deserializes a request body; a type error names the field it is in.
