@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs the real clients the server tests drive (no-op when present):
 #   .venv-test/  a Python venv with the official `openai` client (PyPI)
+#   .venv-torch/ torch, safetensors and numpy (PyPI), to write router checkpoints the way their
+#                authors do for scripts/convert-router.py's test; PyPI's Linux torch is the
+#                CUDA build (~5 GB with its nvidia-* wheels, ~3.5 min here) and runs on a CPU
 #   prometheus   Debian's Prometheus server (apt; needs root)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -9,6 +12,13 @@ OPENAI_VERSION="3.57.0"
 if ! .venv-test/bin/python -c "import openai" 2>/dev/null; then
     python3 -m venv .venv-test
     .venv-test/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}"
+fi
+
+TORCH_VERSION="2.15.0"
+if ! .venv-torch/bin/python -c "import torch, safetensors, numpy" 2>/dev/null; then
+    python3 -m venv .venv-torch
+    .venv-torch/bin/pip install --quiet --disable-pip-version-check \
+        "torch==${TORCH_VERSION}" "safetensors==0.8.0" "numpy==2.4.6"
 fi
 
 if ! command -v prometheus >/dev/null; then

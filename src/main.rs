@@ -746,12 +746,16 @@ fn run_router_collect(args: RouterCollectArgs) -> anyhow::Result<()> {
         &settings,
     )?;
     traces.save(&args.out)?;
-    let divergent = traces.label.iter().filter(|&&l| l == 1).count();
+    let percent = |label: &[u8]| {
+        100.0 * label.iter().filter(|&&l| l == 1).count() as f64 / traces.rows().max(1) as f64
+    };
     println!(
-        "{} positions ({} held out), SLM differs from the LLM at {:.1} %: {}",
+        "{} positions ({} held out); the SLM's token differs from the LLM's at {:.1} %, is \
+         divergent at {:.1} %: {}",
         traces.rows(),
         traces.heldout.iter().filter(|&&h| h == 1).count(),
-        100.0 * divergent as f64 / traces.rows().max(1) as f64,
+        percent(&traces.label),
+        percent(&traces.divergent),
         args.out.display()
     );
     Ok(())

@@ -204,41 +204,61 @@ fn released_name(kind: &str, own: &str) -> String {
     name
 }
 
-/// Weights under the released names (with the extra tensors those files carry) score exactly
-/// as the same weights under this project's names; a missing tensor is named.
-#[test]
-fn released_checkpoint_names_load_and_score_like_the_projects_own() {
-    let dir = tempfile::tempdir().unwrap();
-    let rows = 4;
+/// R2R's inputs for `rows` rows: hidden states, candidate embeddings, sorted top-100 logits.
+fn router_inputs(rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (hidden, embedding) = (random_rows(rows, HIDDEN, 11), random_rows(rows, HIDDEN, 12));
     let mut top = random_rows(rows, 100, 13);
     for row in top.chunks_mut(100) {
         row.sort_by(|a, b| b.total_cmp(a));
     }
+    (hidden, embedding, top)
+}
+
+/// One router's weights twice in `dir`: under this project's names (`{kind}.safetensors`) and
+/// under the released names with the extra tensors those files carry
+/// (`{kind}-released.safetensors`). Returns both paths and the released tensors.
+fn write_released(
+    dir: &std::path::Path,
+    kind: &str,
+) -> (
+    std::path::PathBuf,
+    std::path::PathBuf,
+    HashMap<String, Tensor>,
+) {
+    let own = dir.join(format!("{kind}.safetensors"));
+    let weights = common::write_router(&own, kind, HIDDEN, 21);
+    let mut released: HashMap<String, Tensor> = weights
+        .iter()
+        .map(|(name, t)| (released_name(kind, name), t.clone()))
+        .collect();
+    let extra = match kind {
+        "r2r" => (
+            "token_embeddings.weight",
+            Tensor::zeros((7, HIDDEN), candle_core::DType::F32, &Device::Cpu),
+        ),
+        _ => (
+            "mlp.1.num_batches_tracked",
+            Tensor::new(&[3i64], &Device::Cpu),
+        ),
+    };
+    released.insert(extra.0.to_string(), extra.1.unwrap());
+    let path = dir.join(format!("{kind}-released.safetensors"));
+    candle_core::safetensors::save(&released, &path).unwrap();
+    assert!(
+        !released.keys().any(|k| weights.contains_key(k)),
+        "{released:?}"
+    );
+    (own, path, released)
+}
+
+/// Weights under the released names (with the extra tensors those files carry) score exactly
+/// as the same weights under this project's names; a missing tensor is named.
+#[test]
+fn released_checkpoint_names_load_and_score_like_the_projects_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hidden, embedding, top) = router_inputs(4);
     for kind in ["r2r", "citer"] {
-        let own = dir.path().join(format!("{kind}.safetensors"));
-        let weights = common::write_router(&own, kind, HIDDEN, 21);
-        let mut released: HashMap<String, Tensor> = weights
-            .iter()
-            .map(|(name, t)| (released_name(kind, name), t.clone()))
-            .collect();
-        let extra = match kind {
-            "r2r" => (
-                "token_embeddings.weight",
-                Tensor::zeros((7, HIDDEN), candle_core::DType::F32, &Device::Cpu),
-            ),
-            _ => (
-                "mlp.1.num_batches_tracked",
-                Tensor::new(&[3i64], &Device::Cpu),
-            ),
-        };
-        released.insert(extra.0.to_string(), extra.1.unwrap());
-        let path = dir.path().join(format!("{kind}-released.safetensors"));
-        candle_core::safetensors::save(&released, &path).unwrap();
-        assert!(
-            !released.keys().any(|k| weights.contains_key(k)),
-            "{released:?}"
-        );
+        let (own, path, mut released) = write_released(dir.path(), kind);
         let (got, want) = match kind {
             "r2r" => (
                 R2rRouter::load(&path, HIDDEN)
@@ -390,5 +410,106 @@ async fn r2r_extreme_thresholds_reduce_to_one_model_alone() {
                 .learned_router
         );
         rt.shutdown();
+    }
+}
+
+/// `.venv-torch` (made by `scripts/install-test-clients.sh`): torch and safetensors, to write
+/// checkpoints the way the routers' authors do. Absent: the test skips, or fails under
+/// `TOKENROUTER_REQUIRE_CLIENTS=1`.
+fn python_with_torch() -> Option<std::path::PathBuf> {
+    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-torch/bin/python");
+    let found = std::process::Command::new(&python)
+        .args(["-c", "import torch, safetensors"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    match found {
+        true => Some(python),
+        false if std::env::var("TOKENROUTER_REQUIRE_CLIENTS").is_ok_and(|v| v == "1") => {
+            panic!(
+                "{} lacks torch: run scripts/install-test-clients.sh",
+                python.display()
+            )
+        }
+        false => {
+            eprintln!("skipping: no torch venv (scripts/install-test-clients.sh makes it)");
+            None
+        }
+    }
+}
+
+/// Writes a checkpoint as the authors release it (torch.save of R2R's dict with
+/// `common_args.threshold`, CITER's plain state dict) from weights under the released names.
+const WRITE_OFFICIAL: &str = r#"
+import sys, torch
+from safetensors.torch import load_file
+source, kind, out = sys.argv[1:]
+state = load_file(source)
+if kind == "r2r":
+    torch.save({"model_type": "HiddenStatesTokenLMHeadLogitsClassifier",
+                "init_args": {"hidden_size": 8, "num_blocks": 2},
+                "common_args": {"threshold": 0.37, "input_type": ["hidden_states", "token", "logits"]},
+                "model_specific_args": {}, "state_dict": state}, out)
+else:
+    torch.save(state, out)
+"#;
+
+/// `scripts/convert-router.py` turns checkpoints written the official way into a safetensors
+/// file (and a JSON sidecar with the threshold) that scores exactly like the same weights under
+/// this project's names.
+#[test]
+fn converted_official_checkpoints_score_like_the_projects_own_with_their_threshold() {
+    let Some(python) = python_with_torch() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (hidden, embedding, top) = router_inputs(4);
+    for kind in ["r2r", "citer"] {
+        let (own, released, _) = write_released(dir.path(), kind);
+        let checkpoint = dir.path().join(format!("{kind}.pt"));
+        let converted = dir.path().join(format!("{kind}-converted.safetensors"));
+        let run = |args: &[&std::ffi::OsStr]| {
+            let out = std::process::Command::new(&python)
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        run(&[
+            "-c".as_ref(),
+            WRITE_OFFICIAL.as_ref(),
+            released.as_ref(),
+            kind.as_ref(),
+            checkpoint.as_ref(),
+        ]);
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/convert-router.py");
+        run(&[script.as_ref(), checkpoint.as_ref(), converted.as_ref()]);
+        let (got, want, threshold) = match kind {
+            "r2r" => {
+                let router = R2rRouter::load(&converted, HIDDEN).unwrap();
+                let own = R2rRouter::load(&own, HIDDEN).unwrap();
+                (
+                    router.score(&hidden, &embedding, &top),
+                    own.score(&hidden, &embedding, &top),
+                    router.threshold,
+                )
+            }
+            _ => {
+                let router = CiterRouter::load(&converted, HIDDEN).unwrap();
+                let own = CiterRouter::load(&own, HIDDEN).unwrap();
+                (
+                    router.score(&hidden),
+                    own.score(&hidden),
+                    router.threshold(),
+                )
+            }
+        };
+        assert_eq!(got, want, "{kind}");
+        let expected = (kind == "r2r").then_some(0.37);
+        assert_eq!(threshold, expected, "{kind}: the sidecar's threshold");
     }
 }

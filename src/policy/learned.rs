@@ -57,11 +57,27 @@ pub trait HiddenScorer: Send + Sync {
     fn threshold(&self) -> Option<f32>;
 }
 
-/// The optional scalar `threshold` a router file carries (`router train` writes one).
-fn saved_threshold(t: &Tensors) -> Result<Option<f32>, String> {
-    match t.get("threshold") {
-        Some(_) => Ok(get(t, "threshold")?.1.first().copied()),
-        None => Ok(None),
+/// The threshold saved with a router: a scalar `threshold` tensor (`router train` writes one),
+/// else `common_args.threshold` of the JSON sidecar beside the file
+/// (`scripts/convert-router.py` writes one from a released checkpoint).
+fn saved_threshold(t: &Tensors, path: &Path) -> Result<Option<f32>, String> {
+    if t.contains_key("threshold") {
+        return Ok(get(t, "threshold")?.1.first().copied());
+    }
+    let sidecar = path.with_extension("json");
+    let Ok(text) = std::fs::read_to_string(&sidecar) else {
+        return Ok(None);
+    };
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| format!("sidecar {}: not JSON ({e})", sidecar.display()))?;
+    match &json["common_args"]["threshold"] {
+        serde_json::Value::Null => Ok(None),
+        value => value.as_f64().map(|v| Some(v as f32)).ok_or_else(|| {
+            format!(
+                "sidecar {}: `common_args.threshold` is not a number",
+                sidecar.display()
+            )
+        }),
     }
 }
 
@@ -262,7 +278,7 @@ impl R2rRouter {
             blocks.push((norm, fc1, fc2));
         }
         Ok(Self {
-            threshold: saved_threshold(&t)?,
+            threshold: saved_threshold(&t, path)?,
             hidden,
             topk_proj,
             input_proj,
@@ -351,7 +367,7 @@ impl CiterRouter {
             bn_shift,
             fc2,
             head,
-            threshold: saved_threshold(&t)?,
+            threshold: saved_threshold(&t, path)?,
         })
     }
 }
@@ -392,7 +408,7 @@ impl DeferralHead {
         let lm_head = ["lm_head.weight", "output.weight"]
             .into_iter()
             .find(|name| t.contains_key(*name));
-        let threshold = saved_threshold(&t)?;
+        let threshold = saved_threshold(&t, path)?;
         if let (Some(lm_head), false) = (lm_head, t.contains_key("defer.weight")) {
             let head = Self::last_row(&t, lm_head, hidden)?;
             return Ok(Self { head, threshold });

@@ -140,14 +140,24 @@ fn greedy_answers(
 ) -> EngineResult<Vec<Vec<u32>>> {
     let mut answers = vec![Vec::new(); prompts.len()];
     let indices: Vec<usize> = (0..prompts.len()).filter(|&i| budgets[i] > 0).collect();
+    let mut held = vec![0; prompts.len()];
     for chunk in indices.chunks(ANSWER_BATCH) {
+        // Continuations share their prompt and answer prefix: start each on what the
+        // executor's prefix cache holds (at least the last token is computed).
+        for &i in chunk {
+            let prompt = &prompts[i][..prompts[i].len().saturating_sub(1)];
+            held[i] = executor.attach_prefix(SeqId(i as u64), prompt);
+        }
         let mut live = chunk.to_vec();
         while !live.is_empty() {
             let work: Vec<SeqWork> = live
                 .iter()
                 .map(|&i| SeqWork {
                     seq: SeqId(i as u64),
-                    tokens: answers[i].last().map_or(prompts[i].clone(), |&t| vec![t]),
+                    tokens: match answers[i].last() {
+                        Some(&t) => vec![t],
+                        None => prompts[i][held[i]..].to_vec(),
+                    },
                     sampling: SamplingParams::greedy(),
                     needs: Needs::default(),
                 })
@@ -199,12 +209,11 @@ pub fn collect(
         embedding: true,
     };
     teacher_forced(&mut slm, &prompts, &answers, needs, |i, position, out| {
-        let features = (out.hidden.as_ref(), out.candidate_embedding.as_ref());
-        let (Some(hidden), Some(embedding)) = features else {
-            unreachable!("the executor returns what `needs` asks for");
-        };
-        traces.hidden.extend_from_slice(hidden);
-        traces.embedding.extend_from_slice(embedding);
+        let asked = "the executor returns what `needs` asks for";
+        traces.hidden.extend(out.hidden.as_ref().expect(asked));
+        traces
+            .embedding
+            .extend(out.candidate_embedding.as_ref().expect(asked));
         padded_top_logits(&out.stats.top_k, &mut traces.top_logits);
         traces.token.push(out.candidate);
         traces
