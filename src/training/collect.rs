@@ -186,16 +186,17 @@ pub fn collect(
     settings: &CollectSettings,
 ) -> anyhow::Result<Traces> {
     let tokenizer = ModelTokenizer::load(&llm.path)?;
-    let all = answers::questions().map_err(anyhow::Error::msg)?;
+    let all = answers::scorable(&answers::questions().map_err(anyhow::Error::msg)?);
     let mut chosen = Vec::new();
     for split in [Split::Train, Split::Heldout] {
-        let of_split = answers::scorable(&all)
-            .into_iter()
+        let of_split = all
+            .iter()
             .enumerate()
             .filter(|(_, q)| q.question.split == split);
         chosen.extend(of_split.take(settings.limit.unwrap_or(usize::MAX)));
     }
-    let (indices, questions): (Vec<usize>, Vec<_>) = chosen.into_iter().unzip();
+    let (indices, questions): (Vec<usize>, Vec<Scorable>) =
+        chosen.into_iter().map(|(i, q)| (i, q.clone())).unzip();
     let prompts = chat_prompts(&tokenizer, &questions)?;
     let mut llm = Executor::load(llm)?;
     let budgets = vec![settings.max_tokens; prompts.len()];

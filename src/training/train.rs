@@ -97,7 +97,9 @@ struct Batch {
     hidden: Tensor,
     embedding: Tensor,
     top_logits: Tensor,
-    /// 1.0 where the LLM should write (label 1).
+    /// 1 where the LLM should write.
+    labels: Vec<u8>,
+    /// `labels` as the loss reads them.
     flagged: Tensor,
 }
 
@@ -111,15 +113,14 @@ impl Batch {
             Tensor::from_vec(out, (rows.len(), width), &Device::Cpu)
         };
         let h = traces.hidden_size;
-        let labels: Vec<f32> = rows
-            .iter()
-            .map(|&r| f32::from(label.of(traces)[r]))
-            .collect();
+        let labels: Vec<u8> = rows.iter().map(|&r| label.of(traces)[r]).collect();
+        let flagged: Vec<f32> = labels.iter().map(|&l| f32::from(l)).collect();
         Ok(Batch {
             hidden: pick(&traces.hidden, h)?,
             embedding: pick(&traces.embedding, h)?,
             top_logits: pick(&traces.top_logits, R2R_TOP_K)?,
-            flagged: Tensor::from_vec(labels, rows.len(), &Device::Cpu)?,
+            flagged: Tensor::from_vec(flagged, rows.len(), &Device::Cpu)?,
+            labels,
         })
     }
 }
@@ -392,10 +393,7 @@ pub fn train(traces: &Traces, settings: &TrainSettings, out: &Path) -> anyhow::R
     };
     let mut optimizer = AdamW::new(trainable, params)?;
     let validation_batch = Batch::of(traces, settings.label, &validation)?;
-    let validation_labels: Vec<u8> = validation
-        .iter()
-        .map(|&r| settings.label.of(traces)[r])
-        .collect();
+    let validation_labels = &validation_batch.labels;
     let mut rng = StdRng::seed_from_u64(settings.seed);
     let mut best: Option<(f64, usize, HashMap<String, Tensor>)> = None;
     for epoch in 1..=settings.epochs {
@@ -405,7 +403,7 @@ pub fn train(traces: &Traces, settings: &TrainSettings, out: &Path) -> anyhow::R
             let (logits, target) = net.logits(&batch, rows.len() > 1)?;
             optimizer.backward_step(&bce_with_logits(&logits, &target)?)?;
         }
-        let score = auc(&net.llm_scores(&validation_batch)?, &validation_labels);
+        let score = auc(&net.llm_scores(&validation_batch)?, validation_labels);
         tracing::info!("epoch {epoch}: validation AUC {score:.4}");
         if best.as_ref().is_none_or(|(b, _, _)| score > *b) {
             best = Some((score, epoch, snapshot(&varmap)?));
@@ -417,18 +415,16 @@ pub fn train(traces: &Traces, settings: &TrainSettings, out: &Path) -> anyhow::R
     let share_threshold = threshold_for_share(&validation_scores, settings.target_share);
     let recall_threshold = threshold_for_recall(
         &validation_scores,
-        &validation_labels,
+        validation_labels,
         settings.target_recall,
     );
-    let heldout_scores = net.llm_scores(&Batch::of(traces, settings.label, &heldout)?)?;
-    let heldout_labels: Vec<u8> = heldout
-        .iter()
-        .map(|&r| settings.label.of(traces)[r])
-        .collect();
+    let heldout_batch = Batch::of(traces, settings.label, &heldout)?;
+    let heldout_scores = net.llm_scores(&heldout_batch)?;
+    let heldout_labels = &heldout_batch.labels;
     let share_rule = measure(
         settings.kind,
         &heldout_scores,
-        &heldout_labels,
+        heldout_labels,
         share_threshold,
     );
     let mut saved = snapshot(&varmap)?
@@ -450,12 +446,12 @@ pub fn train(traces: &Traces, settings: &TrainSettings, out: &Path) -> anyhow::R
             / heldout_labels.len() as f64,
         best_epoch,
         validation_auc,
-        heldout_auc: auc(&heldout_scores, &heldout_labels),
+        heldout_auc: auc(&heldout_scores, heldout_labels),
         share_rule,
         recall_rule: measure(
             settings.kind,
             &heldout_scores,
-            &heldout_labels,
+            heldout_labels,
             recall_threshold,
         ),
     })
