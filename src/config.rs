@@ -537,6 +537,32 @@ impl Config {
         Ok(config)
     }
 
+    /// The config of a single-model server for `model`: only that model, served alone under
+    /// its own name with eager batching (what a standard one-model engine does); the
+    /// routing policies and the tuner go, the server settings stay.
+    pub fn only_model(&self, model: &str) -> Result<Config, ConfigError> {
+        let Some(found) = self.models.iter().find(|m| m.name == model) else {
+            let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+            return Err(ConfigError::Invalid(format!(
+                "no model `{model}` in the config (models: {})",
+                names.join(", ")
+            )));
+        };
+        let config = Config {
+            models: vec![found.clone()],
+            runtime: RuntimeConfig {
+                mode: ExecutionMode::Async,
+                default_policy: Some(model.to_string()),
+                ..self.runtime.clone()
+            },
+            policies: Vec::new(),
+            tuning: None,
+            server: self.server.clone(),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
     /// Each model's step latency `[a, c]` ms for the tuner: `[tuning] latency_ms`, else the
     /// model's step profile (read now, so that re-measuring a profile never needs the old one).
     pub fn latency_priors_ms(&self) -> Result<Vec<Option<[f64; 2]>>, ConfigError> {

@@ -118,6 +118,10 @@ struct ServeArgs {
     /// Overrides `server.port`; 0 picks a free port (the log line says which).
     #[arg(long)]
     port: Option<u16>,
+    /// Serves only this configured model, alone under its own name: a single-model server
+    /// (the `std-serving` baseline of `bench routing` runs one per model).
+    #[arg(long)]
+    model: Option<String>,
 }
 
 #[derive(Args)]
@@ -452,6 +456,9 @@ fn pick_model<'a>(config: &'a Config, name: Option<&str>) -> anyhow::Result<&'a 
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = ready_config(&args.config)?;
+    if let Some(model) = &args.model {
+        config = config.only_model(model)?;
+    }
     if let Some(host) = args.host {
         config.server.host = host;
     }
@@ -809,6 +816,12 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         Some(spec) => Some(parse_sweep(spec)?),
     };
     let mut config = ready_config(&args.config)?;
+    if args.device.is_some() && args.mode.contains(&bench::routing::BenchMode::StdServing) {
+        anyhow::bail!(
+            "--device does not reach std-serving's single-model servers: set `device` in the \
+             config instead"
+        );
+    }
     if let Some(device) = args.device {
         for model in &mut config.models {
             model.device = device;
@@ -818,6 +831,7 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         .reference
         .unwrap_or_else(|| config.models[0].name.clone());
     let settings = bench::routing::RoutingBenchSettings {
+        config_path: args.config.config.clone(),
         policies: args.policy,
         sweep,
         reference,

@@ -410,3 +410,59 @@ fn router_collect_and_train_run_end_to_end_on_the_real_pair() {
     ]);
     assert!(!ok && stderr.contains("collect more questions"), "{stderr}");
 }
+
+/// `bench routing`'s `std-serving` mode (single-model `serve --model` processes and a
+/// per-token HTTP dispatcher) makes the runtime's routing decisions: for the training-free
+/// rules, every request's tokens equal the in-process `async` runtime's (greedy), and its
+/// time per token is split by the servers' timing. A learned router, which reads hidden
+/// states no HTTP API returns, is refused with a message.
+#[test]
+fn std_serving_dispatches_the_same_tokens_as_the_runtime() {
+    if common::real_model().is_none() {
+        return;
+    }
+    let bench = |policies: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["bench", "routing", "--policy", policies])
+            .args(["--mode", "async,std-serving", "--concurrency", "2"])
+            .args(["--requests", "4", "--max-tokens", "8", "--json"])
+            .output()
+            .unwrap()
+    };
+    let out = bench("r2r-entropy,colm,rstitch");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    for policy in ["r2r-entropy", "colm", "rstitch"] {
+        let cell = |mode: &str| {
+            rows.iter()
+                .find(|r| r["policy"] == policy && r["mode"] == mode)
+                .unwrap_or_else(|| panic!("no {policy} {mode} row"))
+                .clone()
+        };
+        let (runtime, dispatched) = (cell("async"), cell("std-serving"));
+        assert_eq!(dispatched["completed"], 4, "{dispatched}");
+        assert_eq!(
+            runtime["outputs_digest"], dispatched["outputs_digest"],
+            "{policy}: {runtime} / {dispatched}"
+        );
+        assert_eq!(
+            runtime["token_share"], dispatched["token_share"],
+            "{policy}"
+        );
+        let times = &dispatched["std_serving_breakdown"];
+        assert!(times["calls_per_token"].as_f64().unwrap() >= 1.0, "{times}");
+        assert!(times["compute_ms"].as_f64().unwrap() > 0.0, "{times}");
+    }
+    let refused = bench("r2r");
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("policy `r2r` reads hidden states"),
+        "{stderr}"
+    );
+}

@@ -131,6 +131,95 @@ fn completions_and_chat_answer_in_openai_shape_with_routing_and_usage() {
     assert_eq!(entry("me")["default"], true);
 }
 
+/// `logprobs` in both endpoints' shapes, whole and streamed: one entry per completion token,
+/// each a log-probability with the most likely alternatives first (greedy: the token is the
+/// first of them), the entropy and token ids as extensions; and the `Server-Timing` header.
+#[test]
+fn logprobs_come_back_in_openai_shapes_whole_and_streamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path());
+    let mut body = chat_body("r2r", 6, false);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(3);
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap();
+    assert_eq!(
+        content.len() as u64,
+        whole["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    for entry in content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        let logprobs: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(logprobs.windows(2).all(|w| w[0] >= w[1]), "{entry}");
+        assert!(logprobs.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-4);
+        assert_eq!(top[0]["token_id"], entry["token_id"], "{entry}");
+        assert_eq!(top[0]["logprob"], entry["logprob"], "{entry}");
+        assert!(entry["entropy"].as_f64().unwrap() >= 0.0, "{entry}");
+        assert_eq!(
+            entry["bytes"],
+            json!(entry["token"].as_str().unwrap().as_bytes())
+        );
+    }
+    // Streamed: the chunks' entries together are the whole answer's.
+    body["stream"] = json!(true);
+    let events = stream_events(&server, "/v1/chat/completions", &body);
+    let streamed: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&streamed, content);
+
+    // Legacy completions: parallel arrays, `logprobs` the number of alternatives.
+    let (status, text) = server.post(
+        "/v1/completions",
+        &json!({"model": "large", "prompt": "the city", "max_tokens": 5, "temperature": 0,
+                "logprobs": 2}),
+    );
+    assert_eq!(status, 200, "{text}");
+    let logprobs = &text["choices"][0]["logprobs"];
+    for field in [
+        "tokens",
+        "token_logprobs",
+        "top_logprobs",
+        "text_offset",
+        "token_ids",
+        "entropies",
+    ] {
+        assert_eq!(
+            logprobs[field].as_array().unwrap().len(),
+            5,
+            "{field}: {text}"
+        );
+    }
+    let offsets: Vec<u64> = logprobs["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    // Without the field, no log-probabilities (and no work for them).
+    let (_, plain) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "the city", "max_tokens": 2}),
+    );
+    assert!(plain["choices"][0]["logprobs"].is_null(), "{plain}");
+
+    let response = ureq::post(&server.url("/v1/completions"))
+        .send_string(&json!({"prompt": "the city", "max_tokens": 2}).to_string())
+        .unwrap();
+    let timing = response.header("server-timing").unwrap().to_string();
+    for part in ["parse", "tokenize", "queue", "prefix", "compute", "total"] {
+        assert!(timing.contains(&format!("{part};dur=")), "{timing}");
+    }
+}
+
 /// One row of the bad-input table: a request and the status and `param` it must get.
 struct Case {
     method: &'static str,
@@ -179,8 +268,12 @@ fn bad_input_gets_the_right_status_and_an_openai_error_and_the_server_keeps_serv
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user"}]}"#, 400, Some("messages[0].content")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#, 400, Some("tools")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#, 400, Some("response_format")),
-        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true}"#, 400, Some("logprobs")),
-        Case::new("POST", "/v1/completions", None, r#"{"prompt": "x", "logprobs": 1}"#, 400, Some("logprobs")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}"#, 400, Some("top_logprobs")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#, 400, Some("top_logprobs")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": 2}"#, 400, Some("logprobs")),
+        Case::new("POST", "/v1/completions", None, r#"{"prompt": "x", "logprobs": true}"#, 400, Some("logprobs")),
+        Case::new("POST", "/v1/completions", None, r#"{"prompt": "x", "logprobs": -1}"#, 400, Some("logprobs")),
+        Case::new("POST", "/v1/completions", None, r#"{"prompt": "x", "top_logprobs": 2}"#, 400, Some("top_logprobs")),
         Case::new("POST", chat, None, r#"{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}"#, 404, Some("model")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}"#, 400, Some("max_tokens")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000000}"#, 400, Some("max_tokens")),

@@ -10,6 +10,7 @@ pub mod plots;
 pub mod prompts;
 pub mod quality;
 pub mod routing;
+pub mod std_serving;
 pub mod validate;
 pub mod workloads;
 

@@ -8,10 +8,15 @@
 //! mid-cell stretches the other requests' inter-token gaps.
 
 use super::median;
+use super::std_serving::{self, Breakdown};
 use super::workloads::{self, Workload};
 use serde::Serialize;
 use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, ExecutionMode, PolicyConfig, StepCost};
 use tokenrouter::engine::SamplingParams;
@@ -32,6 +37,8 @@ pub enum BenchMode {
     Runtime(ExecutionMode),
     /// The reference model serves every token (`async` runtime, its `single` policy).
     LlmOnly,
+    /// Single-model servers and an external per-token dispatcher (`std_serving`).
+    StdServing,
 }
 
 impl BenchMode {
@@ -39,13 +46,16 @@ impl BenchMode {
         match self {
             BenchMode::Runtime(mode) => mode.as_str(),
             BenchMode::LlmOnly => "llm-only",
+            BenchMode::StdServing => "std-serving",
         }
     }
 
-    fn execution_mode(self) -> ExecutionMode {
+    /// The runtime this mode's cells run on; none for `std-serving` (its own servers).
+    fn execution_mode(self) -> Option<ExecutionMode> {
         match self {
-            BenchMode::Runtime(mode) => mode,
-            BenchMode::LlmOnly => ExecutionMode::Async,
+            BenchMode::Runtime(mode) => Some(mode),
+            BenchMode::LlmOnly => Some(ExecutionMode::Async),
+            BenchMode::StdServing => None,
         }
     }
 }
@@ -56,15 +66,18 @@ impl std::str::FromStr for BenchMode {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "llm-only" => Ok(BenchMode::LlmOnly),
+            "std-serving" => Ok(BenchMode::StdServing),
             other => other
                 .parse()
                 .map(BenchMode::Runtime)
-                .map_err(|e| format!("{e}, or llm-only")),
+                .map_err(|e| format!("{e}, llm-only or std-serving")),
         }
     }
 }
 
 pub struct RoutingBenchSettings {
+    /// The config's file: `std-serving` starts its single-model servers from it.
+    pub config_path: PathBuf,
     pub policies: Vec<String>,
     /// A threshold sweep: variants `name@value` of one configured policy.
     pub sweep: Option<(String, Vec<f32>)>,
@@ -130,6 +143,11 @@ pub struct RoutingBenchRow {
     /// tokens/s and the arm in force).
     pub controller: Option<ArmComparison>,
     pub per_model: Vec<ModelCell>,
+    /// `std-serving`: where the dispatcher's time per token went.
+    pub std_serving_breakdown: Option<Breakdown>,
+    /// A hash of every request's output tokens in request order: two cells of one run with
+    /// equal digests produced identical tokens.
+    pub outputs_digest: String,
 }
 
 /// The runtime's cumulative counters at one instant.
@@ -307,11 +325,12 @@ fn predicted(
     predict(&model, n, &thresholds).ok().map(|p| p.throughput)
 }
 
+/// A cell's requests as their clients saw them.
 #[derive(Default)]
-struct Tally {
+pub(super) struct Tally {
     completed: usize,
-    failed: usize,
-    tokens: usize,
+    pub failed: usize,
+    pub tokens: usize,
     handoffs: usize,
     tokens_per_model: Vec<usize>,
     /// Output tokens by request index.
@@ -322,6 +341,34 @@ struct Tally {
     gaps: Vec<(Instant, f64)>,
     /// When the long prompt was sent and when its request ended.
     long_prompt_window: Option<(Instant, Instant)>,
+}
+
+impl Tally {
+    /// Request `i`, sent at `sent` and ended at `ended`, completed with `f`.
+    pub fn record(&mut self, i: usize, sent: Instant, ended: Instant, f: Followed) {
+        self.completed += 1;
+        self.tokens += f.tokens.len();
+        self.handoffs += f.routing.handoffs;
+        let models = f.routing.tokens_per_model.len();
+        if self.tokens_per_model.len() < models {
+            self.tokens_per_model.resize(models, 0);
+        }
+        for (sum, n) in self
+            .tokens_per_model
+            .iter_mut()
+            .zip(&f.routing.tokens_per_model)
+        {
+            *sum += n;
+        }
+        let first = f.times.first().copied().unwrap_or(ended);
+        self.ttft_ms.push((first - sent).as_secs_f64() * 1e3);
+        self.latency_ms.push((ended - sent).as_secs_f64() * 1e3);
+        for pair in f.times.windows(2) {
+            self.gaps
+                .push((pair[1], (pair[1] - pair[0]).as_secs_f64() * 1e3));
+        }
+        self.outputs.push((i, f.tokens));
+    }
 }
 
 /// One request's tokens with their arrival times.
@@ -458,28 +505,7 @@ async fn closed_loop(
             let ended = Instant::now();
             let mut t = tally.borrow_mut();
             match result {
-                Ok(f) => {
-                    t.completed += 1;
-                    t.tokens += f.tokens.len();
-                    t.handoffs += f.routing.handoffs;
-                    t.tokens_per_model
-                        .resize(f.routing.tokens_per_model.len(), 0);
-                    for (sum, n) in t
-                        .tokens_per_model
-                        .iter_mut()
-                        .zip(&f.routing.tokens_per_model)
-                    {
-                        *sum += n;
-                    }
-                    let first = f.times.first().copied().unwrap_or(ended);
-                    t.ttft_ms.push((first - sent).as_secs_f64() * 1e3);
-                    t.latency_ms.push((ended - sent).as_secs_f64() * 1e3);
-                    for pair in f.times.windows(2) {
-                        t.gaps
-                            .push((pair[1], (pair[1] - pair[0]).as_secs_f64() * 1e3));
-                    }
-                    t.outputs.push((i, f.tokens));
-                }
+                Ok(f) => t.record(i, sent, ended, f),
                 Err(_) => t.failed += 1,
             }
         }
@@ -531,29 +557,53 @@ pub(super) fn add_threshold_variants(
     Ok(names)
 }
 
-/// Runs every (round, policy, concurrency, mode) cell; one runtime per mode, started once.
+/// Runs every (round, policy, concurrency, mode) cell; one runtime per mode (and the
+/// single-model servers of `std-serving`), started once.
 pub async fn run(
     config: &Config,
     settings: &RoutingBenchSettings,
-) -> Result<Vec<RoutingBenchRow>, RuntimeError> {
+) -> anyhow::Result<Vec<RoutingBenchRow>> {
     let (config, policies) = with_sweep(config, settings)?;
     let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
     let costs = config.step_costs()?;
     let mut runtimes = Vec::new();
     for &mode in &settings.modes {
-        let runtime = Runtime::start(&config, Some(mode.execution_mode()))?;
-        runtimes.push((mode, Rc::new(runtime)));
+        if let Some(execution) = mode.execution_mode() {
+            runtimes.push((mode, Rc::new(Runtime::start(&config, Some(execution))?)));
+        }
     }
-    let first = runtimes[0].1.clone();
+    // Policies, prompts and the reference come from a runtime (one of its own when only
+    // `std-serving` runs).
+    let first = match runtimes.first() {
+        Some((_, runtime)) => runtime.clone(),
+        None => Rc::new(Runtime::start(&config, Some(ExecutionMode::Async))?),
+    };
     let registry = first.policies();
     if let Some(unknown) = policies.iter().find(|p| registry.get(p).is_none()) {
-        return Err(RuntimeError::UnknownPolicy(unknown.clone()));
+        return Err(RuntimeError::UnknownPolicy(unknown.clone()).into());
     }
     let names: Vec<String> = first.model_names().iter().map(|n| n.to_string()).collect();
     let prompts = Rc::new(workloads::prompts(&first, settings.workload)?);
     if registry.get(&settings.reference).is_none() {
-        return Err(RuntimeError::UnknownPolicy(settings.reference.clone()));
+        return Err(RuntimeError::UnknownPolicy(settings.reference.clone()).into());
     }
+    let servers = if settings.modes.contains(&BenchMode::StdServing) {
+        first.tokenizer().map_err(|_| {
+            anyhow::anyhow!("std-serving needs models with a tokenizer (real weights)")
+        })?;
+        for policy in &policies {
+            let shared = registry.get(policy).expect("checked above");
+            if let Some(why) = std_serving::unsupported(&shared) {
+                anyhow::bail!("std-serving: {why}");
+            }
+        }
+        Some(Arc::new(std_serving::Servers::start(
+            &settings.config_path,
+            &config,
+        )?))
+    } else {
+        None
+    };
     let mut reference = if first.tokenizer().is_ok() {
         closed_loop(
             first.clone(),
@@ -572,88 +622,91 @@ pub async fn run(
     for round in 0..settings.rounds {
         for policy in &policies {
             for &concurrency in &settings.concurrency {
-                for &(mode, ref runtime) in &runtimes {
-                    let served_by = match mode {
-                        BenchMode::LlmOnly => &settings.reference,
-                        BenchMode::Runtime(_) => policy,
-                    };
-                    let before = Snapshot::take(runtime);
-                    let mut t = closed_loop(
-                        runtime.clone(),
-                        prompts.clone(),
-                        served_by,
-                        concurrency,
-                        settings,
-                    )
-                    .await;
-                    let after = Snapshot::take(runtime);
-                    let seconds = (after.at - before.at).as_secs_f64();
-                    let med = |v: &mut Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
-                    let mut gaps: Vec<f64> = t.gaps.iter().map(|&(_, ms)| ms).collect();
-                    let agreements: Vec<f64> = t
-                        .outputs
-                        .iter()
-                        .filter_map(|(i, out)| {
-                            reference
-                                .iter()
-                                .find(|(j, _)| j == i)
-                                .map(|(_, r)| agreement(out, r))
-                        })
-                        .collect();
-                    rows.push(RoutingBenchRow {
-                        policy: policy.clone(),
-                        workload: settings.workload,
-                        mode: mode.as_str(),
+                for &mode in &settings.modes {
+                    let cell = CellId {
+                        policy,
+                        mode,
                         concurrency,
                         round,
-                        completed: t.completed,
-                        failed: t.failed,
-                        output_tokens: t.tokens,
-                        seconds,
-                        tokens_per_s: t.tokens as f64 / seconds,
-                        predicted_tokens_per_s: predicted(
-                            runtime,
-                            mode,
-                            concurrency,
-                            timeout,
-                            (&before, &after),
-                            LatencySource::CellSteps,
-                        ),
-                        predicted_from_profiles_tokens_per_s: predicted(
-                            runtime,
-                            mode,
-                            concurrency,
-                            timeout,
-                            (&before, &after),
-                            LatencySource::Profiles(&costs),
-                        ),
-                        handoffs_per_100_tokens: 100.0 * t.handoffs as f64 / t.tokens.max(1) as f64,
-                        token_share: names
-                            .iter()
-                            .zip(t.tokens_per_model.iter().chain(std::iter::repeat(&0)))
-                            .map(|(n, &c)| (n.clone(), c as f64 / t.tokens.max(1) as f64))
-                            .collect(),
-                        agreement_with_reference: (!agreements.is_empty())
-                            .then(|| agreements.iter().sum::<f64>() / agreements.len() as f64),
-                        long_prompt_gap_ratio: long_prompt_gap_ratio(&t),
-                        controller: runtime.snapshot().controller,
-                        ttft_ms_median: med(&mut t.ttft_ms),
-                        ttft_ms_p99: quantile(&mut t.ttft_ms, 0.99),
-                        itl_ms_median: quantile(&mut gaps, 0.5),
-                        itl_ms_p99: quantile(&mut gaps, 0.99),
-                        latency_ms_median: med(&mut t.latency_ms),
-                        prefix_cached_share: names
-                            .iter()
-                            .enumerate()
-                            .map(|(i, name)| {
-                                let hits = (after.hit_tokens[i] - before.hit_tokens[i]) as f64;
-                                let computed =
-                                    (after.tokens_processed[i] - before.tokens_processed[i]) as f64;
-                                (name.clone(), hits / (hits + computed).max(1.0))
+                    };
+                    let row = match (&servers, runtimes.iter().find(|(m, _)| *m == mode)) {
+                        (_, Some((_, runtime))) => {
+                            let served_by = match mode {
+                                BenchMode::LlmOnly => &settings.reference,
+                                _ => policy,
+                            };
+                            let before = Snapshot::take(runtime);
+                            let t = closed_loop(
+                                runtime.clone(),
+                                prompts.clone(),
+                                served_by,
+                                concurrency,
+                                settings,
+                            )
+                            .await;
+                            let after = Snapshot::take(runtime);
+                            let seconds = (after.at - before.at).as_secs_f64();
+                            let prediction = |source| {
+                                predicted(
+                                    runtime,
+                                    mode,
+                                    concurrency,
+                                    timeout,
+                                    (&before, &after),
+                                    source,
+                                )
+                            };
+                            RoutingBenchRow {
+                                predicted_tokens_per_s: prediction(LatencySource::CellSteps),
+                                predicted_from_profiles_tokens_per_s: prediction(
+                                    LatencySource::Profiles(&costs),
+                                ),
+                                controller: runtime.snapshot().controller,
+                                prefix_cached_share: names
+                                    .iter()
+                                    .enumerate()
+                                    .map(|(i, name)| {
+                                        let hits =
+                                            (after.hit_tokens[i] - before.hit_tokens[i]) as f64;
+                                        let computed = (after.tokens_processed[i]
+                                            - before.tokens_processed[i])
+                                            as f64;
+                                        (name.clone(), hits / (hits + computed).max(1.0))
+                                    })
+                                    .collect(),
+                                per_model: model_cells(&names, &before, &after),
+                                ..cell.row(t, seconds, &names, &reference, settings)
+                            }
+                        }
+                        (Some(servers), None) => {
+                            let std_cell = std_serving::Cell {
+                                policy: registry.get(policy).expect("checked above"),
+                                prompts: Arc::new(prompts.as_ref().clone()),
+                                concurrency,
+                                requests: settings.requests,
+                                max_tokens: settings.max_tokens,
+                                eos: if settings.workload.ignores_eos() {
+                                    BTreeSet::new()
+                                } else {
+                                    first.eos_tokens().clone()
+                                },
+                                vocab_size: first.tokenizer()?.vocab_size(),
+                            };
+                            let servers = servers.clone();
+                            let started = Instant::now();
+                            let (t, breakdown) = actix_rt::task::spawn_blocking(move || {
+                                std_serving::run_cell(&servers, std_cell)
                             })
-                            .collect(),
-                        per_model: model_cells(&names, &before, &after),
-                    });
+                            .await?;
+                            let seconds = started.elapsed().as_secs_f64();
+                            RoutingBenchRow {
+                                std_serving_breakdown: Some(breakdown),
+                                ..cell.row(t, seconds, &names, &reference, settings)
+                            }
+                        }
+                        (None, None) => unreachable!("every mode has a runtime or the servers"),
+                    };
+                    rows.push(row);
                 }
             }
         }
@@ -665,6 +718,75 @@ pub async fn run(
         }
     }
     Ok(rows)
+}
+
+/// Which cell a row reports.
+struct CellId<'a> {
+    policy: &'a str,
+    mode: BenchMode,
+    concurrency: usize,
+    round: usize,
+}
+
+impl CellId<'_> {
+    /// The row of what the clients saw; the runtime's own figures are left empty.
+    fn row(
+        &self,
+        mut t: Tally,
+        seconds: f64,
+        names: &[String],
+        reference: &[(usize, Vec<u32>)],
+        settings: &RoutingBenchSettings,
+    ) -> RoutingBenchRow {
+        let med = |v: &mut Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
+        let mut gaps: Vec<f64> = t.gaps.iter().map(|&(_, ms)| ms).collect();
+        t.outputs.sort();
+        let mut digest = std::collections::hash_map::DefaultHasher::new();
+        t.outputs.hash(&mut digest);
+        let agreements: Vec<f64> = t
+            .outputs
+            .iter()
+            .filter_map(|(i, out)| {
+                reference
+                    .iter()
+                    .find(|(j, _)| j == i)
+                    .map(|(_, r)| agreement(out, r))
+            })
+            .collect();
+        RoutingBenchRow {
+            policy: self.policy.to_string(),
+            workload: settings.workload,
+            mode: self.mode.as_str(),
+            concurrency: self.concurrency,
+            round: self.round,
+            completed: t.completed,
+            failed: t.failed,
+            output_tokens: t.tokens,
+            seconds,
+            tokens_per_s: t.tokens as f64 / seconds,
+            predicted_tokens_per_s: None,
+            predicted_from_profiles_tokens_per_s: None,
+            handoffs_per_100_tokens: 100.0 * t.handoffs as f64 / t.tokens.max(1) as f64,
+            token_share: names
+                .iter()
+                .zip(t.tokens_per_model.iter().chain(std::iter::repeat(&0)))
+                .map(|(n, &c)| (n.clone(), c as f64 / t.tokens.max(1) as f64))
+                .collect(),
+            agreement_with_reference: (!agreements.is_empty())
+                .then(|| agreements.iter().sum::<f64>() / agreements.len() as f64),
+            long_prompt_gap_ratio: long_prompt_gap_ratio(&t),
+            controller: None,
+            ttft_ms_median: med(&mut t.ttft_ms),
+            ttft_ms_p99: quantile(&mut t.ttft_ms, 0.99),
+            itl_ms_median: quantile(&mut gaps, 0.5),
+            itl_ms_p99: quantile(&mut gaps, 0.99),
+            latency_ms_median: med(&mut t.latency_ms),
+            prefix_cached_share: Vec::new(),
+            per_model: Vec::new(),
+            std_serving_breakdown: None,
+            outputs_digest: format!("{:016x}", digest.finish()),
+        }
+    }
 }
 
 fn optional(value: Option<f64>, suffix: &str) -> String {
@@ -723,6 +845,41 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     }
     out += &summary(rows);
     out += &ratios(rows);
+    out += &std_serving_times(rows);
+    out
+}
+
+/// The `std-serving` cells' time per committed token, split as the servers report it.
+fn std_serving_times(rows: &[RoutingBenchRow]) -> String {
+    let cells: Vec<(&RoutingBenchRow, &Breakdown)> = rows
+        .iter()
+        .filter_map(|r| r.std_serving_breakdown.as_ref().map(|b| (r, b)))
+        .collect();
+    if cells.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "
+std-serving, time per committed token (ms, summed over its calls; a step shared by a batch counts whole as compute):
+
+| policy | N | round | calls/token | HTTP | body parse | tokenization | queueing | prefix matching | compute | dispatcher policy |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (r, b) in cells {
+        out += &format!(
+            "| {} | {} | {} | {:.2} | {:.2} | {:.3} | {:.3} | {:.2} | {:.3} | {:.2} | {:.4} |\n",
+            r.policy,
+            r.concurrency,
+            r.round,
+            b.calls_per_token,
+            b.http_ms,
+            b.parse_ms,
+            b.tokenize_ms,
+            b.queue_ms,
+            b.prefix_match_ms,
+            b.compute_ms,
+            b.policy_ms,
+        );
+    }
     out
 }
 

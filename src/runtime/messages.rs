@@ -1,6 +1,8 @@
 //! Every message that crosses an actor boundary, in one file.
 
-use super::core::{FailureKind, FinishReason, InFlight, RequestId, RoutingStats};
+use super::core::{
+    EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RoutingStats, TokenLogprobs,
+};
 use super::request::RequestActor;
 use crate::policy::ModelIdx;
 use actix::prelude::*;
@@ -41,6 +43,7 @@ pub(crate) struct ModelIdle {
 pub(crate) struct Committed {
     pub token: u32,
     pub model: ModelIdx,
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// Model → request: the generation is over.
@@ -49,6 +52,7 @@ pub(crate) struct Committed {
 pub(crate) struct Finished {
     pub reason: FinishReason,
     pub stats: RoutingStats,
+    pub timing: EngineTiming,
     pub prompt_tokens: usize,
 }
 

@@ -13,7 +13,9 @@ mod request;
 mod system;
 mod tuner;
 
-pub use self::core::{FailureKind, FinishReason, ReleaseReason, RequestId, RoutingStats};
+pub use self::core::{
+    EngineTiming, FailureKind, FinishReason, ReleaseReason, RequestId, RoutingStats, TokenLogprobs,
+};
 pub use record::{ModelSnapshot, Releases, RuntimeSnapshot, StepInterval};
 pub use request::RequestEvent;
 pub use system::{

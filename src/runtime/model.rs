@@ -4,7 +4,7 @@
 //! request that leaves stays **pending** here (KV kept) and resumes with a token append.
 
 use super::batcher::BatcherActor;
-use super::core::{Effect, ModelScheduler, StepPlan};
+use super::core::{Effect, ModelScheduler, Sampled, StepPlan, TokenLogprobs};
 use super::live::LiveRequests;
 use super::messages::{
     Admit, Committed, Failed, Finished, FreeRequest, ModelIdle, Release, Request,
@@ -104,22 +104,26 @@ impl ModelActor {
                 Effect::Commit {
                     client,
                     token,
+                    logprobs,
                     policy,
                 } => {
                     self.recorder.committed(policy.name());
                     client.do_send(Committed {
                         token,
                         model: self.idx,
+                        logprobs,
                     });
                 }
                 Effect::Finish {
                     client,
                     reason,
                     stats,
+                    timing,
                     prompt_tokens,
                 } => client.do_send(Finished {
                     reason,
                     stats,
+                    timing,
                     prompt_tokens,
                 }),
                 Effect::Fail {
@@ -133,7 +137,7 @@ impl ModelActor {
                 Effect::HandOff { to, request } => {
                     self.recorder
                         .handoff(&self.model_names[to], request.params.policy.name());
-                    leaving.entry(to).or_default().push(request);
+                    leaving.entry(to).or_default().push(*request);
                 }
             }
         }
@@ -212,11 +216,18 @@ impl ModelActor {
     /// Routes each resident's step through its policy and applies the answers.
     fn apply(&mut self, plan: &StepPlan, outputs: &[StepOutput]) {
         let routes = self.scheduler.decide(plan, outputs);
-        let candidates: Vec<u32> = outputs.iter().map(|o| o.candidate).collect();
+        let candidates = outputs
+            .iter()
+            .zip(&plan.logprobs)
+            .map(|(output, &top)| Sampled {
+                token: output.candidate,
+                logprobs: top.map(|top| TokenLogprobs::of(output, top)),
+            })
+            .collect();
         let (effects, transitions) = self.scheduler.update_from_output(
             &mut self.executor,
             plan,
-            &candidates,
+            candidates,
             &routes,
             Instant::now(),
         );

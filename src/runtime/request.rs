@@ -3,7 +3,9 @@
 //! model and batcher drop the request.
 
 use super::batcher::BatcherActor;
-use super::core::{FailureKind, FinishReason, RequestId, RoutingStats};
+use super::core::{
+    EngineTiming, FailureKind, FinishReason, RequestId, RoutingStats, TokenLogprobs,
+};
 use super::live::LiveRequests;
 use super::messages::{Admit, Cancel, Committed, Failed, Finished, FreeRequest, Start, Withdraw};
 use super::model::ModelActor;
@@ -19,10 +21,13 @@ pub enum RequestEvent {
     Token {
         id: u32,
         model: ModelIdx,
+        /// When the request asked for log-probabilities.
+        logprobs: Option<TokenLogprobs>,
     },
     Finished {
         reason: FinishReason,
         stats: RoutingStats,
+        timing: EngineTiming,
         prompt_tokens: usize,
     },
     Failed {
@@ -139,6 +144,7 @@ impl Handler<Committed> for RequestActor {
         let event = RequestEvent::Token {
             id: msg.token,
             model: msg.model,
+            logprobs: msg.logprobs,
         };
         if self.events.send(event).is_err() {
             // The client is gone: cancel.
@@ -154,6 +160,7 @@ impl Handler<Finished> for RequestActor {
         let _ = self.events.send(RequestEvent::Finished {
             reason: msg.reason,
             stats: msg.stats,
+            timing: msg.timing,
             prompt_tokens: msg.prompt_tokens,
         });
         self.status = RequestStatus::Completed;

@@ -3,7 +3,8 @@
 
 use super::batcher::{AttachModel, BatcherActor};
 use super::core::{
-    BatchGate, FailureKind, FinishReason, InFlight, RequestId, RequestParams, RoutingStats,
+    BatchGate, EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RequestParams,
+    RoutingStats,
 };
 use super::live::LiveRequests;
 use super::messages::{Cancel, Start};
@@ -98,11 +99,21 @@ pub struct ValidRequest {
     sampling: SamplingParams,
     timeout: Option<Duration>,
     ignore_eos: bool,
+    logprobs: Option<usize>,
 }
 
 impl ValidRequest {
     pub fn prompt_tokens(&self) -> usize {
         self.prompt.len()
+    }
+
+    /// Reports each committed token's log-probability, `top` alternatives' and the
+    /// distribution's entropy (`RequestEvent::Token::logprobs`).
+    pub fn with_logprobs(self, top: usize) -> Self {
+        Self {
+            logprobs: Some(top),
+            ..self
+        }
     }
 }
 
@@ -161,6 +172,7 @@ impl RequestHandle {
                     reason,
                     stats,
                     prompt_tokens,
+                    ..
                 } => {
                     let total = self.submitted.elapsed();
                     return Ok(Completion {
@@ -396,6 +408,11 @@ impl Runtime {
         })
     }
 
+    /// The tokens that end a generation (unless it ignores them).
+    pub fn eos_tokens(&self) -> &BTreeSet<u32> {
+        &self.eos
+    }
+
     pub fn context_length(&self) -> usize {
         self.context_length
     }
@@ -521,6 +538,7 @@ impl Runtime {
             sampling: request.sampling,
             timeout: request.timeout,
             ignore_eos: request.ignore_eos,
+            logprobs: None,
         })
     }
 
@@ -538,6 +556,7 @@ impl Runtime {
             sampling,
             timeout,
             ignore_eos,
+            logprobs,
         } = request;
         let rid = RequestId(self.next_rid.fetch_add(1, Ordering::Relaxed));
         let seed = sampling.seed;
@@ -576,11 +595,13 @@ impl Runtime {
                     self.eos.clone()
                 },
                 policy,
+                logprobs,
             },
             state,
             client: actor.clone(),
             handoff: None,
             arrived: Instant::now(),
+            timing: EngineTiming::default(),
         };
         actor.do_send(Start(in_flight));
         RequestHandle {

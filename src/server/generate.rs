@@ -4,6 +4,7 @@
 
 use super::admission::Slot;
 use super::error::ApiError;
+use super::logprobs::{self, ChoiceLogprobs};
 use super::openai::{
     refuse_unimplemented, ChatCompletionRequest, CompletionRequest, Generation, GenerationOptions,
     Prompt,
@@ -12,8 +13,8 @@ use super::text::TextStream;
 use super::{read_json, AppState};
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::{
-    FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestHandle, RoutingStats,
-    RuntimeError,
+    EngineTiming, FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestHandle,
+    RoutingStats, RuntimeError,
 };
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
@@ -21,7 +22,7 @@ use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Which endpoint answers: the object names and the shape of a choice differ.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -47,9 +48,11 @@ pub async fn completions(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    let received = Instant::now();
     let (request, options): (CompletionRequest, _) = read_request(&state, &req, payload).await?;
     let generation = request.generation(&options, &state.config)?;
     let tokenizer = state.tokenizer()?;
+    let parsed = Instant::now();
     let prompt = match &request.prompt {
         Prompt::Text(text) => tokenizer.encode(text)?,
         Prompt::Texts(texts) if texts.len() == 1 => tokenizer.encode(&texts[0])?,
@@ -72,6 +75,11 @@ pub async fn completions(
             ids.clone()
         }
     };
+    let times = HandlerTimes {
+        received,
+        parse: parsed - received,
+        tokenize: parsed.elapsed(),
+    };
     run(
         &state,
         Flavor::Text,
@@ -79,6 +87,7 @@ pub async fn completions(
         prompt,
         "prompt",
         generation,
+        times,
     )
     .await
 }
@@ -88,12 +97,19 @@ pub async fn chat_completions(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    let received = Instant::now();
     let (request, options): (ChatCompletionRequest, _) =
         read_request(&state, &req, payload).await?;
     let generation = request.generation(&options, &state.config)?;
     let messages = request.chat_messages()?;
+    let parsed = Instant::now();
     let text = state.chat_template()?.render(&messages, true)?;
     let prompt = state.tokenizer()?.encode(&text)?;
+    let times = HandlerTimes {
+        received,
+        parse: parsed - received,
+        tokenize: parsed.elapsed(),
+    };
     run(
         &state,
         Flavor::Chat,
@@ -101,8 +117,18 @@ pub async fn chat_completions(
         prompt,
         "messages",
         generation,
+        times,
     )
     .await
+}
+
+/// Where a request's time went before it reached the runtime.
+struct HandlerTimes {
+    received: Instant,
+    /// Reading, parsing and validating the body.
+    parse: Duration,
+    /// Rendering the chat template and tokenizing the prompt.
+    tokenize: Duration,
 }
 
 async fn run(
@@ -112,6 +138,7 @@ async fn run(
     prompt: Vec<u32>,
     prompt_field: &'static str,
     generation: Generation,
+    times: HandlerTimes,
 ) -> Result<HttpResponse, ApiError> {
     let limit = state.config.max_prompt_tokens;
     if prompt.len() > limit {
@@ -163,6 +190,10 @@ async fn run(
             RuntimeError::Invalid(e) => ApiError::invalid(max_tokens_field, e.to_string()),
             e => e.into(),
         })?;
+    let request = match generation.logprobs {
+        Some(top) => request.with_logprobs(top),
+        None => request,
+    };
     let prompt_tokens = request.prompt_tokens();
     let slot = state.admission.enter().await?;
     let handle = state.runtime.launch(request);
@@ -184,6 +215,9 @@ async fn run(
             .collect(),
         prompt_tokens,
         include_usage: generation.include_usage,
+        tokenizer: tokenizer.clone(),
+        logprobs: generation.logprobs.is_some(),
+        times,
     };
     let progress = Progress::new(
         handle,
@@ -216,6 +250,16 @@ struct Progress {
     /// sequence ends the request before the runtime reports its own.
     model_changes: usize,
     last_model: Option<usize>,
+    /// Log-probabilities of tokens not yet sent (when asked for).
+    logprobs: Vec<logprobs::Entry>,
+    /// Characters of text the client has been sent.
+    sent_chars: usize,
+    launched: Instant,
+    /// Turning token ids into text.
+    detokenize: Duration,
+    /// Set when the runtime reports the end: where the request's time in the models went,
+    /// and the wall time from launch to that report.
+    engine: Option<(EngineTiming, Duration)>,
 }
 
 /// One step of a generation, as the client sees it.
@@ -242,12 +286,25 @@ impl Progress {
             tokens_per_model: vec![0; models],
             model_changes: 0,
             last_model: None,
+            logprobs: Vec::new(),
+            sent_chars: 0,
+            launched: Instant::now(),
+            detokenize: Duration::ZERO,
+            engine: None,
         }
     }
 
     async fn next(&mut self) -> Outcome {
         match self.handle.events.recv().await {
-            Some(RequestEvent::Token { id, model }) => {
+            Some(RequestEvent::Token {
+                id,
+                model,
+                logprobs,
+            }) => {
+                if let Some(logprobs) = logprobs.filter(|_| !self.text.stopped()) {
+                    self.logprobs
+                        .push(logprobs::Entry::new(id, logprobs, self.sent_chars));
+                }
                 if self.last_model.is_some_and(|m| m != model) {
                     self.model_changes += 1;
                 }
@@ -255,7 +312,10 @@ impl Progress {
                 if let Some(n) = self.tokens_per_model.get_mut(model) {
                     *n += 1;
                 }
+                let started = Instant::now();
                 let delta = self.text.push(id);
+                self.detokenize += started.elapsed();
+                self.sent_chars += delta.chars().count();
                 if self.text.stopped() {
                     self.handle.cancel();
                     let stats = RoutingStats {
@@ -266,7 +326,13 @@ impl Progress {
                 }
                 Outcome::Delta(delta)
             }
-            Some(RequestEvent::Finished { reason, stats, .. }) => {
+            Some(RequestEvent::Finished {
+                reason,
+                stats,
+                timing,
+                ..
+            }) => {
+                self.engine = Some((timing, self.launched.elapsed()));
                 Outcome::Done(self.text.finish(), reason, stats)
             }
             Some(RequestEvent::Failed { message, kind }) => {
@@ -281,6 +347,31 @@ impl Progress {
     fn completion_tokens(&self) -> usize {
         self.text.tokens()
     }
+
+    /// A `Server-Timing` header value (milliseconds): body parsing, tokenization (prompt and
+    /// output), the models' queueing, prefix matching and compute, and the handler's total.
+    /// Queueing is the runtime's wall time less its prefix matching and compute; a step
+    /// shared by a batch counts whole as compute.
+    fn server_timing(&self, times: &HandlerTimes) -> String {
+        let (timing, engine) = self.engine.unwrap_or_default();
+        let queue = engine.saturating_sub(timing.prefix_match + timing.compute);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        format!(
+            "parse;dur={:.3}, tokenize;dur={:.3}, queue;dur={:.3}, prefix;dur={:.3}, \
+             compute;dur={:.3}, total;dur={:.3}",
+            ms(times.parse),
+            ms(times.tokenize + self.detokenize),
+            ms(queue),
+            ms(timing.prefix_match),
+            ms(timing.compute),
+            ms(times.received.elapsed()),
+        )
+    }
+
+    /// The log-probabilities gathered since the last call, when the request asked.
+    fn take_logprobs(&mut self, asked: bool) -> Option<Vec<logprobs::Entry>> {
+        asked.then(|| std::mem::take(&mut self.logprobs))
+    }
 }
 
 /// The parts of every response object that do not change during a generation.
@@ -291,6 +382,10 @@ struct Reply {
     model_names: Vec<String>,
     prompt_tokens: usize,
     include_usage: bool,
+    tokenizer: Arc<ModelTokenizer>,
+    /// Whether choices carry `logprobs`.
+    logprobs: bool,
+    times: HandlerTimes,
 }
 
 /// OpenAI's `usage` object.
@@ -325,18 +420,20 @@ enum Choice<'a> {
     Text {
         index: usize,
         text: &'a str,
-        /// Always null: log-probabilities are not returned.
-        logprobs: Option<()>,
+        logprobs: Option<ChoiceLogprobs>,
         finish_reason: Option<FinishReason>,
     },
     Message {
         index: usize,
         message: Message<'a>,
+        logprobs: Option<ChoiceLogprobs>,
         finish_reason: Option<FinishReason>,
     },
     Delta {
         index: usize,
         delta: Message<'a>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        logprobs: Option<ChoiceLogprobs>,
         finish_reason: Option<FinishReason>,
     },
 }
@@ -385,18 +482,26 @@ impl Reply {
         }
     }
 
-    /// A choice carrying `text`: a message or delta for chat, plain text otherwise.
-    fn choice<'a>(&self, text: &'a str, finish: Option<FinishReason>, stream: bool) -> Choice<'a> {
+    /// A choice carrying `text` (and its tokens' log-probabilities when asked): a message
+    /// or delta for chat, plain text otherwise.
+    fn choice<'a>(
+        &self,
+        text: &'a str,
+        finish: Option<FinishReason>,
+        stream: bool,
+        entries: Option<Vec<logprobs::Entry>>,
+    ) -> Choice<'a> {
         let index = 0;
         let message = Message {
             role: None,
             content: text,
         };
+        let tokenizer = &self.tokenizer;
         match (self.flavor, stream) {
             (Flavor::Text, _) => Choice::Text {
                 index,
                 text,
-                logprobs: None,
+                logprobs: entries.map(|e| logprobs::text(tokenizer, e)),
                 finish_reason: finish,
             },
             (Flavor::Chat, false) => Choice::Message {
@@ -405,11 +510,13 @@ impl Reply {
                     role: Some("assistant"),
                     content: text,
                 },
+                logprobs: entries.map(|e| logprobs::chat(tokenizer, e)),
                 finish_reason: finish,
             },
             (Flavor::Chat, true) => Choice::Delta {
                 index,
                 delta: message,
+                logprobs: entries.map(|e| logprobs::chat(tokenizer, e)),
                 finish_reason: finish,
             },
         }
@@ -441,13 +548,16 @@ async fn respond_whole(mut progress: Progress, reply: Reply) -> Result<HttpRespo
             Outcome::Done(rest, reason, stats) => {
                 text.push_str(&rest);
                 let policy = progress.handle.policy.clone();
-                let choice = reply.choice(&text, Some(reason), false);
+                let entries = progress.take_logprobs(reply.logprobs);
+                let choice = reply.choice(&text, Some(reason), false, entries);
                 let body = Envelope {
                     usage: Some(reply.usage(progress.completion_tokens())),
                     routing: Some(reply.routing(&policy, &stats)),
                     ..reply.envelope(&policy, false, vec![choice])
                 };
-                return Ok(HttpResponse::Ok().json(body));
+                return Ok(HttpResponse::Ok()
+                    .insert_header(("Server-Timing", progress.server_timing(&reply.times)))
+                    .json(body));
             }
             Outcome::Failed(e) => return Err(e),
         }
@@ -472,6 +582,7 @@ fn sse(
                 role: Some("assistant"),
                 content: "",
             },
+            logprobs: None,
             finish_reason: None,
         };
         event(&reply.envelope(&progress.handle.policy, true, vec![choice]))
@@ -487,22 +598,24 @@ fn sse(
             let out = match progress.next().await {
                 Outcome::Delta(delta) if delta.is_empty() => continue,
                 Outcome::Delta(delta) => {
+                    let entries = progress.take_logprobs(reply.logprobs);
                     let chunk = event(&reply.envelope(
                         &policy,
                         true,
-                        vec![reply.choice(&delta, None, true)],
+                        vec![reply.choice(&delta, None, true, entries)],
                     ));
                     return Some((Ok(Bytes::from(chunk)), (Some(progress), reply, None)));
                 }
                 Outcome::Done(rest, reason, stats) => {
                     let usage = reply.usage(progress.completion_tokens());
+                    let entries = progress.take_logprobs(reply.logprobs);
                     let last = Envelope {
                         usage: Some(usage),
                         routing: Some(reply.routing(&policy, &stats)),
                         ..reply.envelope(
                             &policy,
                             true,
-                            vec![reply.choice(&rest, Some(reason), true)],
+                            vec![reply.choice(&rest, Some(reason), true, entries)],
                         )
                     };
                     let mut out = event(&last);

@@ -5,6 +5,7 @@ mod admin;
 mod admission;
 mod error;
 mod generate;
+mod logprobs;
 mod openai;
 mod status;
 mod text;

@@ -14,6 +14,8 @@ use serde_json::Value;
 const DEFAULT_COMPLETION_MAX_TOKENS: i64 = 16;
 const DEFAULT_TEMPERATURE: f64 = 1.0;
 const MAX_STOP_SEQUENCES: usize = 4;
+/// Most alternatives per token a request may ask for (OpenAI's chat limit).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
 
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
@@ -46,6 +48,17 @@ pub struct GenerationOptions {
     pub ignore_eos: bool,
     /// Extension: this request's deadline in seconds (at most `server.request_timeout_s`).
     pub timeout: Option<f64>,
+    /// Chat: a flag; completions: how many alternatives per token.
+    pub logprobs: Option<LogprobsField>,
+    /// Chat: how many alternatives per token (with `logprobs: true`).
+    pub top_logprobs: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum LogprobsField {
+    Flag(bool),
+    Count(i64),
 }
 
 #[derive(Debug, Deserialize)]
@@ -100,6 +113,8 @@ pub struct Generation {
     pub include_usage: bool,
     pub ignore_eos: bool,
     pub timeout: std::time::Duration,
+    /// Alternatives per token when log-probabilities were asked for.
+    pub logprobs: Option<usize>,
 }
 
 impl GenerationOptions {
@@ -174,8 +189,20 @@ impl GenerationOptions {
                 .stream_options
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
+            logprobs: None,
         })
     }
+}
+
+/// A count of alternatives per token, checked.
+fn top_count(field: &str, n: i64) -> Result<usize, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS).contains(&n) {
+        return Err(ApiError::invalid(
+            field,
+            format!("`{field}` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+        ));
+    }
+    Ok(n as usize)
 }
 
 impl CompletionRequest {
@@ -185,7 +212,30 @@ impl CompletionRequest {
         limits: &ServerConfig,
     ) -> Result<Generation, ApiError> {
         let max_tokens = options.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
-        options.validate(Some(("max_tokens", max_tokens)), limits)
+        if options.top_logprobs.is_some() {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` is a chat field: on /v1/completions `logprobs` is the number \
+                 of alternatives",
+            ));
+        }
+        let logprobs = match options.logprobs {
+            None | Some(LogprobsField::Flag(false)) => None,
+            Some(LogprobsField::Flag(true)) => {
+                return Err(ApiError::invalid(
+                    "logprobs",
+                    format!(
+                        "`logprobs` on /v1/completions is the number of alternatives per \
+                         token, 0 to {MAX_TOP_LOGPROBS}"
+                    ),
+                ))
+            }
+            Some(LogprobsField::Count(n)) => Some(top_count("logprobs", n)?),
+        };
+        Ok(Generation {
+            logprobs,
+            ..options.validate(Some(("max_tokens", max_tokens)), limits)?
+        })
     }
 }
 
@@ -200,8 +250,31 @@ impl ChatCompletionRequest {
             (None, Some(v)) => Some(("max_tokens", v)),
             (None, None) => None,
         };
+        let top = options
+            .top_logprobs
+            .map(|n| top_count("top_logprobs", n))
+            .transpose()?;
+        let logprobs = match (&options.logprobs, top) {
+            (Some(LogprobsField::Flag(true)), top) => Some(top.unwrap_or(0)),
+            (None | Some(LogprobsField::Flag(false)), None | Some(0)) => None,
+            (None | Some(LogprobsField::Flag(false)), Some(_)) => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs` set to true",
+                ))
+            }
+            (Some(LogprobsField::Count(_)), _) => {
+                return Err(ApiError::invalid(
+                    "logprobs",
+                    "`logprobs` in chat is true or false; `top_logprobs` sets the alternatives",
+                ))
+            }
+        };
         // Chat has no default length: it runs until the context (or the server's limit) ends.
-        options.validate(max_tokens, limits)
+        Ok(Generation {
+            logprobs,
+            ..options.validate(max_tokens, limits)?
+        })
     }
 
     /// The messages as the chat template takes them.
@@ -265,7 +338,7 @@ type IsDefault = fn(&Value) -> bool;
 
 /// OpenAI fields whose non-default values change what a client gets back, and which this
 /// server does not implement: each may be absent, `null` or its default, nothing else.
-const UNIMPLEMENTED: [(&str, IsDefault, &str); 17] = [
+const UNIMPLEMENTED: [(&str, IsDefault, &str); 15] = [
     (
         "tools",
         empty_list,
@@ -290,16 +363,6 @@ const UNIMPLEMENTED: [(&str, IsDefault, &str); 17] = [
         "response_format",
         text_format,
         "only {\"type\": \"text\"} is supported: no JSON mode or schemas",
-    ),
-    (
-        "logprobs",
-        falsy,
-        "log-probabilities are not returned yet (only false or null)",
-    ),
-    (
-        "top_logprobs",
-        zero,
-        "log-probabilities are not returned yet (only 0 or null)",
     ),
     (
         "echo",
@@ -404,9 +467,9 @@ mod tests {
     fn unimplemented_fields_are_refused_unless_default() {
         for body in [
             json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
-            json!({"logprobs": false, "top_logprobs": 0, "echo": false, "best_of": 1}),
+            json!({"echo": false, "best_of": 1}),
             json!({"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}),
-            json!({"modalities": ["text"], "audio": null, "logprobs": null, "suffix": ""}),
+            json!({"modalities": ["text"], "audio": null, "suffix": ""}),
         ] {
             assert!(refuse_unimplemented(&body).is_ok(), "{body}");
         }
@@ -416,8 +479,7 @@ mod tests {
                 json!({"response_format": {"type": "json_object"}}),
                 "response_format",
             ),
-            (json!({"logprobs": true}), "logprobs"),
-            (json!({"logprobs": 2}), "logprobs"),
+            (json!({"echo": true}), "echo"),
             (json!({"tool_choice": "required"}), "tool_choice"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
             (json!({"logit_bias": {"42": 100}}), "logit_bias"),

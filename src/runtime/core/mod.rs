@@ -10,6 +10,8 @@ mod scheduler;
 
 pub use gate::ReleaseReason;
 pub(crate) use gate::{BatchGate, GateDecision};
-pub use request::{FailureKind, FinishReason, RequestId, RoutingStats};
-pub(crate) use request::{InFlight, RequestParams};
+pub use request::{
+    EngineTiming, FailureKind, FinishReason, RequestId, RoutingStats, TokenLogprobs,
+};
+pub(crate) use request::{InFlight, RequestParams, Sampled};
 pub(crate) use scheduler::{Effect, ModelScheduler, SchedulerCounters, StepPlan};

@@ -7,14 +7,17 @@
 //! fails. Its methods change KV only through `KvOps` and return the effects on clients and
 //! other models for the actor to carry out, in order.
 
-use super::request::{FailureKind, FinishReason, InFlight, RequestId, RoutingStats};
+use super::request::{
+    EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RoutingStats, Sampled,
+    TokenLogprobs,
+};
 use crate::config::ExecutionMode;
 use crate::engine::kv::{KvStore, BLOCK_TOKENS};
 use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput};
 use crate::policy::{ModelIdx, Route, SharedPolicy, StepView};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The KV operations the scheduler decides; an executor carries them out on its cache.
 pub(crate) trait KvOps {
@@ -99,6 +102,7 @@ pub(crate) enum Effect<C> {
     Commit {
         client: C,
         token: u32,
+        logprobs: Option<TokenLogprobs>,
         policy: SharedPolicy,
     },
     /// The generation is over (its KV here is already freed).
@@ -106,6 +110,7 @@ pub(crate) enum Effect<C> {
         client: C,
         reason: FinishReason,
         stats: RoutingStats,
+        timing: EngineTiming,
         prompt_tokens: usize,
     },
     /// The generation failed (its KV here is already freed).
@@ -115,7 +120,10 @@ pub(crate) enum Effect<C> {
         kind: FailureKind,
     },
     /// Send the request to model `to`'s batcher (with the step's other handoffs there).
-    HandOff { to: ModelIdx, request: InFlight<C> },
+    HandOff {
+        to: ModelIdx,
+        request: Box<InFlight<C>>,
+    },
 }
 
 /// Counts of the scheduler's own decisions, for the runtime's snapshot.
@@ -142,19 +150,22 @@ pub(crate) struct PlannedRow {
 }
 
 /// What a step did for one resident.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum RowOutcome {
     NotRun,
     /// Appended this many of its unseen tokens, not all.
     Chunk(usize),
     /// Appended every unseen token: its candidate and the policy's route.
-    Completed(u32, Route),
+    Completed(Sampled, Route),
 }
 
 /// A step's plan: the executor runs `work`; `update_from_output` takes the plan back.
 pub(crate) struct StepPlan {
     pub work: Vec<SeqWork>,
     rows: Vec<PlannedRow>,
+    /// Per row: alternatives to report when its request asked for log-probabilities.
+    pub logprobs: Vec<Option<usize>>,
+    started: Instant,
 }
 
 impl StepPlan {
@@ -231,8 +242,14 @@ impl<C: Clone> ModelScheduler<C> {
     }
 
     /// A fresh sequence for `rid`, started on the longest cached prefix of its committed
-    /// tokens but the last (whose logits the next step must compute). Returns its length.
-    fn start_seq(&mut self, kv: &mut impl KvOps, rid: RequestId, tokens: &[u32]) -> usize {
+    /// tokens but the last (whose logits the next step must compute). Returns its length
+    /// and the time the prefix lookup took.
+    fn start_seq(
+        &mut self,
+        kv: &mut impl KvOps,
+        rid: RequestId,
+        tokens: &[u32],
+    ) -> (usize, Duration) {
         if let Some(old) = self.seqs.remove(&rid) {
             kv.free(old);
         }
@@ -240,7 +257,9 @@ impl<C: Clone> ModelScheduler<C> {
         self.next_seq += 1;
         self.seqs.insert(rid, seq);
         self.counters.kv_allocations += 1;
-        kv.attach_prefix(seq, &tokens[..tokens.len() - 1])
+        let started = Instant::now();
+        let len = kv.attach_prefix(seq, &tokens[..tokens.len() - 1]);
+        (len, started.elapsed())
     }
 
     /// Frees everything this model holds for `rid`.
@@ -271,7 +290,6 @@ impl<C: Clone> ModelScheduler<C> {
         }
         arrival.state.current = self.model;
         self.pending.remove(&rid);
-        let tokens = &arrival.state.tokens;
         let mut seen = match self.seqs.get(&rid) {
             // async/tokenrouter/lockstep: the request's KV is still here; append from `seen`.
             Some(&seq)
@@ -282,9 +300,13 @@ impl<C: Clone> ModelScheduler<C> {
             }
             // A new request, a return in `standard` mode (a new request there), or KV lost
             // meanwhile (preempted, the model restarted): the longest cached prefix.
-            _ => self.start_seq(kv, rid, tokens),
+            _ => {
+                let (len, lookup) = self.start_seq(kv, rid, &arrival.state.tokens);
+                arrival.timing.prefix_match += lookup;
+                len
+            }
         };
-        let committed = tokens.len();
+        let committed = arrival.state.tokens.len();
         if seen >= committed {
             // Nothing unseen (its own candidate here was rejected): recompute the last position.
             seen = kv.truncate(self.seqs[&rid], committed - 1);
@@ -311,10 +333,12 @@ impl<C: Clone> ModelScheduler<C> {
     /// within the token budget and the KV). Effects are failures of requests the KV budget cannot hold alone.
     pub fn schedule(&mut self, kv: &mut impl KvOps) -> (StepPlan, Vec<Effect<C>>) {
         for rid in std::mem::take(&mut self.reattach) {
-            if let Some(r) = self.resident.iter().position(|r| r.rid() == rid) {
-                let tokens = self.resident[r].state.tokens.clone();
-                let seen = self.start_seq(kv, rid, &tokens);
-                self.resident[r].state.seen[self.model] = seen;
+            if let Some(i) = self.resident.iter().position(|r| r.rid() == rid) {
+                let tokens = self.resident[i].state.tokens.clone();
+                let (seen, lookup) = self.start_seq(kv, rid, &tokens);
+                let r = &mut self.resident[i];
+                r.state.seen[self.model] = seen;
+                r.timing.prefix_match += lookup;
             }
         }
         let mut effects = Vec::new();
@@ -439,16 +463,30 @@ impl<C: Clone> ModelScheduler<C> {
             .map(|row| {
                 let r = &self.resident[row.resident];
                 let from = r.state.seen[self.model];
+                let mut needs = r.params.policy.needs();
+                if let Some(top) = r.params.logprobs {
+                    // The largest logit gives the normaliser of the log-probabilities.
+                    needs.top_k = needs.top_k.max(top).max(1);
+                }
                 SeqWork {
                     seq: self.seqs[&r.rid()],
                     tokens: r.state.tokens[from..from + row.tokens].to_vec(),
                     sampling: r.params.sampling,
-                    needs: r.params.policy.needs(),
+                    needs,
                 }
             })
             .collect();
+        let logprobs = rows
+            .iter()
+            .map(|row| self.resident[row.resident].params.logprobs)
+            .collect();
         self.counters.chunked_rows += rows.iter().filter(|row| !row.completes).count() as u64;
-        StepPlan { work, rows }
+        StepPlan {
+            work,
+            rows,
+            logprobs,
+            started: Instant::now(),
+        }
     }
 
     /// Fails every resident request (an engine error or a crash mid-step).
@@ -514,21 +552,25 @@ impl<C: Clone> ModelScheduler<C> {
         &mut self,
         kv: &mut impl KvOps,
         plan: &StepPlan,
-        candidates: &[u32],
+        candidates: Vec<Sampled>,
         routes: &[Option<Route>],
         now: Instant,
     ) -> (Vec<Effect<C>>, Vec<(ModelIdx, bool)>) {
         let mut effects = Vec::new();
         let mut transitions = Vec::new();
         let mut outcome = vec![RowOutcome::NotRun; self.resident.len()];
-        for ((row, &candidate), route) in plan.rows.iter().zip(candidates).zip(routes) {
+        for ((row, candidate), route) in plan.rows.iter().zip(candidates).zip(routes) {
             outcome[row.resident] = match route {
                 Some(route) => RowOutcome::Completed(candidate, *route),
                 None => RowOutcome::Chunk(row.tokens),
             };
         }
+        let step_time = now.saturating_duration_since(plan.started);
         let residents = std::mem::take(&mut self.resident);
         for (mut r, outcome) in residents.into_iter().zip(outcome) {
+            if !matches!(outcome, RowOutcome::NotRun) {
+                r.timing.compute += step_time;
+            }
             let (candidate, route) = match outcome {
                 RowOutcome::NotRun => {
                     self.resident.push(r);
@@ -570,7 +612,7 @@ impl<C: Clone> ModelScheduler<C> {
             match leave_to {
                 None => self.resident.push(r),
                 Some(to) => {
-                    let request = self.hand_off(kv, r, to, now);
+                    let request = Box::new(self.hand_off(kv, r, to, now));
                     effects.push(Effect::HandOff { to, request });
                 }
             }
@@ -582,9 +624,10 @@ impl<C: Clone> ModelScheduler<C> {
     fn commit(
         &self,
         r: &mut InFlight<C>,
-        token: u32,
+        sampled: Sampled,
         effects: &mut Vec<Effect<C>>,
     ) -> Option<Effect<C>> {
+        let token = sampled.token;
         let reason = if r.params.eos.contains(&token) {
             Some(FinishReason::Stop)
         } else {
@@ -593,6 +636,7 @@ impl<C: Clone> ModelScheduler<C> {
             effects.push(Effect::Commit {
                 client: r.client.clone(),
                 token,
+                logprobs: sampled.logprobs,
                 policy: r.params.policy.clone(),
             });
             (r.state.generated().len() >= r.params.max_tokens).then_some(FinishReason::Length)
@@ -601,6 +645,7 @@ impl<C: Clone> ModelScheduler<C> {
             client: r.client.clone(),
             reason,
             stats: r.stats.clone(),
+            timing: r.timing,
             prompt_tokens: r.state.prompt_len,
         })
     }
@@ -657,6 +702,7 @@ mod tests {
                 sampling: SamplingParams::default(),
                 eos: Arc::new(BTreeSet::from([EOS])),
                 policy,
+                logprobs: None,
             },
             stats: RoutingStats {
                 tokens_per_model: vec![0; 2],
@@ -665,6 +711,7 @@ mod tests {
             client: rid,
             handoff: None,
             arrived: Instant::now(),
+            timing: EngineTiming::default(),
         }
     }
 
@@ -684,14 +731,14 @@ mod tests {
         let (plan, failed) = s.schedule(kv);
         assert!(fails(&failed).is_empty());
         run_on_kv(kv, &plan.work);
-        let candidates = vec![candidate; plan.work.len()];
+        let candidates = vec![Sampled::from(candidate); plan.work.len()];
         let mut routes = routes.iter().copied();
         let routes: Vec<Option<Route>> = plan
             .rows
             .iter()
             .map(|row| row.completes.then(|| routes.next().unwrap_or(Route::Stay)))
             .collect();
-        let (effects, _) = s.update_from_output(kv, &plan, &candidates, &routes, Instant::now());
+        let (effects, _) = s.update_from_output(kv, &plan, candidates, &routes, Instant::now());
         (plan.work, effects)
     }
 
@@ -699,7 +746,7 @@ mod tests {
         effects
             .into_iter()
             .find_map(|e| match e {
-                Effect::HandOff { request, .. } => Some(request),
+                Effect::HandOff { request, .. } => Some(*request),
                 _ => None,
             })
             .expect("a handoff")
@@ -964,8 +1011,8 @@ mod tests {
                 .iter()
                 .map(|r| r.completes.then_some(Route::Stay))
                 .collect();
-            let candidates = vec![9; plan.work.len()];
-            s.update_from_output(&mut kv, &plan, &candidates, &routes, Instant::now());
+            let candidates = vec![Sampled::from(9); plan.work.len()];
+            s.update_from_output(&mut kv, &plan, candidates, &routes, Instant::now());
         }
         assert_eq!(failed, vec![(1, FailureKind::Capacity)]);
         assert_eq!(s.resident(), 1);
@@ -1028,6 +1075,7 @@ mod tests {
                 reason: FinishReason::Length,
                 stats,
                 prompt_tokens: 1,
+                ..
             }, Effect::Commit { client: 2, .. }] => assert_eq!(stats.tokens_per_model, [2, 0]),
             _ => panic!("max_tokens = 2 ends request 1 after its second token"),
         }
@@ -1041,6 +1089,55 @@ mod tests {
             }]
         ));
         assert_eq!((s.resident(), kv.usage().used_tokens), (0, 0));
+    }
+
+    /// A request's compute time is the wall time of the steps that ran its rows (a chunked
+    /// prompt's too), and its log-probabilities travel with its committed tokens.
+    #[test]
+    fn a_finished_request_reports_its_steps_time_and_logprobs() {
+        let mut kv = KvStore::new(1024);
+        let mut s = scheduler(ExecutionMode::Async);
+        s.step_tokens = Some(2);
+        let mut r = request(1, &[5, 6, 7], 1);
+        r.params.logprobs = Some(0);
+        s.admit(&mut kv, r, true);
+        let step_ms = 7;
+        let logprobs = TokenLogprobs {
+            logprob: -0.5,
+            entropy: 1.0,
+            top: vec![],
+        };
+        let mut effects = Vec::new();
+        for _ in 0..2 {
+            let (plan, _) = s.schedule(&mut kv);
+            assert_eq!(plan.logprobs, vec![Some(0)]);
+            run_on_kv(&mut kv, &plan.work);
+            let routes: Vec<Option<Route>> = plan
+                .rows
+                .iter()
+                .map(|r| r.completes.then_some(Route::Stay))
+                .collect();
+            let sampled = Sampled {
+                token: 9,
+                logprobs: Some(logprobs.clone()),
+            };
+            let end = plan.started + Duration::from_millis(step_ms);
+            effects = s
+                .update_from_output(&mut kv, &plan, vec![sampled], &routes, end)
+                .0;
+        }
+        match &effects[..] {
+            [Effect::Commit {
+                token: 9,
+                logprobs: Some(got),
+                ..
+            }, Effect::Finish { timing, .. }] => {
+                assert_eq!(got, &logprobs);
+                // Two steps: the prompt's first chunk, then its rest and the token.
+                assert_eq!(timing.compute, Duration::from_millis(2 * step_ms));
+            }
+            _ => panic!("one token committed with its logprobs, then the end"),
+        }
     }
 
     #[test]
