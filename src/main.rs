@@ -215,7 +215,7 @@ struct BenchLoadArgs {
     /// Fraction of requests whose client hangs up early.
     #[arg(long, default_value_t = 0.1)]
     disconnect: f64,
-    /// Policies the default policy is swapped between (needs the admin token).
+    /// Policies the default policy is swapped between (needs the admin token); '' for none.
     #[arg(long, value_delimiter = ',', default_value = "me,r2r,citer")]
     swap_policies: Vec<String>,
     #[arg(long, default_value_t = 10.0)]
@@ -223,8 +223,29 @@ struct BenchLoadArgs {
     /// A request unanswered this long counts as hung.
     #[arg(long, default_value_t = 600.0)]
     hang_after_s: f64,
+    /// Run for this long instead of --requests (a soak), then judge memory and descriptors.
+    #[arg(long, conflicts_with = "idle_clients")]
+    duration_s: Option<f64>,
+    /// How often to sample the server (its memory and descriptors with --server-pid).
+    #[arg(long, default_value_t = 30.0)]
+    sample_every_s: f64,
+    /// The server's process id (same host): its resident memory and open descriptors.
+    #[arg(long)]
+    server_pid: Option<u32>,
+    /// Measure the load alone and beside this many idle connections (and --slow-clients).
+    #[arg(long, default_value_t = 0)]
+    idle_clients: usize,
+    /// ... and this many slow-loris connections (a header byte a second).
+    #[arg(long, default_value_t = 0)]
+    slow_clients: usize,
+    /// Rounds of alone / beside the slow connections.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     #[arg(long)]
     json: bool,
+    /// Write the soak's plot over time (`soak.svg`) into this directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -257,7 +278,7 @@ struct BenchRoutingArgs {
     requests: usize,
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
-    /// Repetitions; modes are interleaved within each round.
+    /// Repetitions; modes are interleaved within each round, each round starting one mode later.
     #[arg(long, default_value_t = 1)]
     rounds: usize,
     /// Tokens of one extra prompt sent into each cell once its requests decode; the report
@@ -861,34 +882,72 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
 }
 
 fn run_bench_load(args: BenchLoadArgs) -> anyhow::Result<()> {
-    if args.requests == 0 || args.concurrency == 0 || args.max_tokens == 0 {
-        anyhow::bail!("--requests, --concurrency and --max-tokens must be positive");
+    if args.requests == 0 || args.concurrency == 0 || args.max_tokens == 0 || args.rounds == 0 {
+        anyhow::bail!("--requests, --concurrency, --max-tokens and --rounds must be positive");
     }
     if !(0.0..=1.0).contains(&args.disconnect) {
         anyhow::bail!("--disconnect is a fraction in [0, 1]");
     }
-    if !(args.swap_every_s > 0.0 && args.hang_after_s > 0.0) {
-        anyhow::bail!("--swap-every-s and --hang-after-s must be positive");
+    let positive = |v: f64| v > 0.0 && v.is_finite();
+    if !(positive(args.swap_every_s)
+        && positive(args.hang_after_s)
+        && positive(args.sample_every_s)
+        && args.duration_s.is_none_or(positive))
+    {
+        anyhow::bail!(
+            "--swap-every-s, --hang-after-s, --sample-every-s and --duration-s must be positive"
+        );
     }
+    let slow = args.idle_clients + args.slow_clients > 0;
     let settings = bench::load::LoadSettings {
         url: args.url.trim_end_matches('/').to_string(),
         requests: args.requests,
         concurrency: args.concurrency,
         max_tokens: args.max_tokens,
         disconnect_fraction: args.disconnect,
-        swap_policies: args.swap_policies,
+        // `--swap-policies ''`: no swaps.
+        swap_policies: args
+            .swap_policies
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .collect(),
         swap_every: std::time::Duration::from_secs_f64(args.swap_every_s),
         admin_token: std::env::var("TOKENROUTER_ADMIN_TOKEN").ok(),
         hang_after: std::time::Duration::from_secs_f64(args.hang_after_s),
+        duration: args.duration_s.map(std::time::Duration::from_secs_f64),
+        sample_every: std::time::Duration::from_secs_f64(args.sample_every_s),
+        // Beside slow connections the descriptor count says nothing about leaks.
+        server_pid: args.server_pid.filter(|_| !slow),
     };
+    if slow {
+        let report =
+            bench::slow_clients::run(&settings, args.idle_clients, args.slow_clients, args.rounds)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print!("{}", report.markdown());
+        }
+        if !report.passed() {
+            anyhow::bail!("normal requests failed or slowed past the limits beside slow clients");
+        }
+        return Ok(());
+    }
     let report = bench::load::run(&settings);
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", report.markdown());
     }
+    if let Some(dir) = &args.out {
+        let path = bench::plots::soak(&report.samples, dir)
+            .map_err(|e| anyhow!("cannot write the plot to {}: {e}", dir.display()))?;
+        tracing::info!("wrote {}", path.display());
+    }
     if !report.passed() {
-        anyhow::bail!("requests hung or were lost, KV is still held, or the server is unhealthy");
+        anyhow::bail!(
+            "requests hung or were lost, KV is still held, the server is unhealthy, or its \
+             memory or descriptors grew"
+        );
     }
     Ok(())
 }

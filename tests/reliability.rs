@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::server::{stream_events, write_tiny_config_with, Server};
+use common::server::{metric_sum, samples, stream_events, write_tiny_config_with, Server};
 use serde_json::{json, Value};
 use std::io::Read;
 use std::time::{Duration, Instant};
@@ -228,7 +228,7 @@ fn a_client_that_never_finishes_its_headers_is_closed() {
         dir.path(),
         0.0,
         8192,
-        "header_timeout_ms = 300",
+        "header_timeout_ms = 1000",
     ));
     let address = server.base.trim_start_matches("http://").to_string();
     let mut slow = std::net::TcpStream::connect(&address).unwrap();
@@ -289,4 +289,195 @@ fn a_client_that_withholds_its_body_gets_408_and_is_closed() {
         &json!({"model": "me", "prompt": "the city", "max_tokens": 2}),
     );
     assert_eq!(status, 200);
+}
+
+/// An idle client (connects, sends nothing) is closed once `header_timeout_ms` passes, and a
+/// keep-alive connection idle after its response once `keep_alive_s` passes, while another
+/// client is served meanwhile.
+#[test]
+fn idle_connections_are_closed_after_their_timeouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&write_tiny_config_with(
+        dir.path(),
+        0.0,
+        8192,
+        "header_timeout_ms = 1000\nkeep_alive_s = 1.0",
+    ));
+    let address = server.base.trim_start_matches("http://").to_string();
+    let read_until_closed = |mut stream: std::net::TcpStream| {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let started = Instant::now();
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).unwrap();
+        (
+            started.elapsed(),
+            String::from_utf8_lossy(&answer).to_string(),
+        )
+    };
+    let idle = std::net::TcpStream::connect(&address).unwrap();
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"model": "me", "prompt": "the city", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    let (waited, answer) = read_until_closed(idle);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+        "{answer:?}"
+    );
+    assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
+
+    use std::io::Write;
+    let mut kept = std::net::TcpStream::connect(&address).unwrap();
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let (waited, answer) = read_until_closed(kept);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
+}
+
+/// A streaming client that stops reading is treated like a disconnect: once its socket
+/// buffer is full and tokens wait unread for `stream_stall_timeout_ms`, the request is
+/// cancelled and its KV freed on every model.
+#[test]
+fn a_streaming_client_that_stops_reading_is_cancelled_and_its_kv_freed() {
+    // The real model (tens of tokens a second): the stream outlasts the stall limit.
+    let Some(model) = common::real_model() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("server.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[models]]\nname = \"llm\"\npath = \"{}\"\nthreads = 1\n\
+             [server]\nstream_stall_timeout_ms = 300\nsend_buffer_bytes = 4096\n",
+            model.display()
+        ),
+    )
+    .unwrap();
+    let server = Server::start(&config);
+    let address: std::net::SocketAddr = server.base.trim_start_matches("http://").parse().unwrap();
+    let socket = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )
+    .unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.connect(&address.into()).unwrap();
+    let mut stalled: std::net::TcpStream = socket.into();
+    // Every token's chunk carries 20 alternatives (~1 KB): a few fill both 4 KB buffers.
+    let body = json!({"model": "llm", "prompt": "Tell me a long story.", "max_tokens": 1000,
+                      "ignore_eos": true, "stream": true, "logprobs": 20})
+    .to_string();
+    use std::io::Write;
+    write!(
+        stalled,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The request ends cancelled, never completed, and no KV stays held.
+    let started = Instant::now();
+    while !samples(&server.metrics(), "tokenrouter_requests_total")
+        .any(|(labels, n)| labels.contains("status=\"cancelled\"") && n >= 1.0)
+    {
+        assert!(started.elapsed() < Duration::from_secs(20), "not cancelled");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let metrics = server.metrics();
+    assert!(
+        !samples(&metrics, "tokenrouter_requests_total")
+            .any(|(labels, n)| labels.contains("status=\"completed\"") && n > 0.0),
+        "{metrics}"
+    );
+    server.wait_for_metrics("KV freed", |metrics| {
+        metric_sum(metrics, "tokenrouter_kv_tokens_used") == 0.0
+    });
+    // The server goes on serving.
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "the city", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    drop(stalled);
+}
+
+/// `bench load` in duration mode samples the server over time (memory and descriptors from
+/// its pid, KV from its metrics), and beside idle and slow-loris connections the normal load
+/// still completes while the server keeps closing the slow ones.
+#[test]
+fn bench_load_samples_a_soak_and_measures_a_load_beside_slow_clients() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&write_tiny_config_with(
+        dir.path(),
+        0.0,
+        8192,
+        "header_timeout_ms = 1000",
+    ));
+    let load = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+            .args(["bench", "load", "--url", &server.base, "--concurrency", "2"])
+            .args([
+                "--max-tokens",
+                "4",
+                "--disconnect",
+                "0",
+                "--swap-policies",
+                "",
+            ])
+            .args(args)
+            .arg("--json")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        let report: Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+        (out.status.success(), report, stderr)
+    };
+    let pid = server.pid().to_string();
+    let (ok, soak, stderr) = load(&[
+        "--duration-s",
+        "2",
+        "--sample-every-s",
+        "0.5",
+        "--server-pid",
+        &pid,
+    ]);
+    assert!(ok, "{soak}\n{stderr}");
+    let samples = soak["samples"].as_array().unwrap();
+    assert!(samples.len() >= 4, "{soak}");
+    let fds = |s: &Value| s["fds"].as_u64().unwrap();
+    assert!(fds(&samples[0]) > 0 && samples[0]["rss_mib"].as_f64().unwrap() > 0.0);
+    assert!(fds(samples.last().unwrap()) <= fds(&samples[0]), "{soak}");
+    assert!(samples.iter().any(|s| s["completed"].as_u64().unwrap() > 0));
+    assert!(soak["outcomes"]["completed"].as_u64().unwrap() > 0);
+
+    let (_, slow, stderr) = load(&[
+        "--requests",
+        "8",
+        "--idle-clients",
+        "20",
+        "--slow-clients",
+        "5",
+        "--rounds",
+        "1",
+    ]);
+    let round = &slow["rounds"][0];
+    for arm in ["alone", "beside"] {
+        assert_eq!(round[arm]["outcomes"]["completed"], 8, "{arm}: {stderr}");
+    }
+    // Closed after about a second and reopened, for the whole 3 s warm-up and the load.
+    assert!(
+        round["slow"]["idle_closed"].as_u64().unwrap() >= 20,
+        "{round}"
+    );
+    assert!(
+        round["slow"]["slow_closed"].as_u64().unwrap() >= 5,
+        "{round}"
+    );
 }

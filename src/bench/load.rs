@@ -1,9 +1,12 @@
-//! `bench load`: drives a running server over loopback HTTP, bounded in count and time:
-//! closed-loop workers mixing streamed and whole completions, random client disconnects,
-//! and periodic policy swaps through the admin API. Every request must end as a complete
-//! response, a clean (OpenAI-shaped) error, or a disconnect the tool made itself; afterwards
-//! the server must be healthy with no KV held.
+//! `bench load`: drives a running server over loopback HTTP, for a request count or a
+//! duration: closed-loop workers mixing streamed and whole completions, random client
+//! disconnects, and periodic policy swaps through the admin API. Every request must end as a
+//! complete response, a clean (OpenAI-shaped) error, or a disconnect the tool made itself;
+//! afterwards the server must be healthy with no KV held. Every `sample_every` it records the
+//! server's memory, file descriptors, KV and the latency of the requests that completed
+//! (`soak`); `slow_clients` measures a normal load beside idle and slow-loris connections.
 
+use super::soak;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -26,6 +29,11 @@ pub struct LoadSettings {
     pub admin_token: Option<String>,
     /// A request with no answer after this long counts as hung.
     pub hang_after: Duration,
+    /// Run for this long instead of `requests` requests.
+    pub duration: Option<Duration>,
+    pub sample_every: Duration,
+    /// The server's process, whose memory and file descriptors are sampled (same host).
+    pub server_pid: Option<u32>,
 }
 
 /// How one request ended.
@@ -43,7 +51,7 @@ pub enum Outcome {
     Lost(String),
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct LoadReport {
     pub requests: usize,
     pub concurrency: usize,
@@ -57,6 +65,13 @@ pub struct LoadReport {
     pub model_restarts: BTreeMap<String, f64>,
     pub requests_total_by_status: BTreeMap<String, f64>,
     pub healthy_after: bool,
+    /// Completed requests' latency over the whole run.
+    pub latency_ms_p50: f64,
+    pub latency_ms_p99: f64,
+    /// Before the load, every `sample_every` during it, and after it settled.
+    pub samples: Vec<soak::Sample>,
+    /// In duration mode with the server's pid: memory and descriptors against the limits.
+    pub soak: Option<soak::SoakCheck>,
 }
 
 const PROMPTS: [&str; 4] = [
@@ -185,24 +200,71 @@ fn samples_by(metrics: &str, name: &str, key: &str) -> BTreeMap<String, f64> {
         })
 }
 
+/// One sample of the server now; latencies of the requests that ended since `since`.
+fn sample(
+    settings: &LoadSettings,
+    start: Instant,
+    latencies: &soak::Latencies,
+    since: Instant,
+) -> soak::Sample {
+    let now = Instant::now();
+    // The process first: the metrics request's own connection is not counted.
+    let rss_mib = settings.server_pid.and_then(soak::rss_mib);
+    let fds = settings.server_pid.and_then(soak::fds);
+    let metrics = get(settings, "/metrics").unwrap_or_default();
+    let sum = |name: &str| samples_by(&metrics, name, "model").values().sum::<f64>();
+    let window = latencies.between(since, now);
+    soak::Sample {
+        at_s: now.saturating_duration_since(start).as_secs_f64(),
+        rss_mib,
+        fds,
+        kv_tokens_used: sum("tokenrouter_kv_tokens_used"),
+        kv_tokens_cached: sum("tokenrouter_kv_tokens_cached"),
+        completed: window.len(),
+        latency_ms_p50: soak::quantile(&window, 0.5),
+        latency_ms_p99: soak::quantile(&window, 0.99),
+    }
+}
+
 pub fn run(settings: &LoadSettings) -> LoadReport {
+    let latencies = soak::Latencies::default();
+    // A whole and a streamed request first, so the server's lazily opened descriptors (its
+    // HTTP workers' first connections) are in the idle count, not taken for a leak.
+    let _ = one_request(settings, 0, false, false);
+    let _ = one_request(settings, 1, true, false);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut samples = vec![sample(settings, Instant::now(), &latencies, Instant::now())];
     let start = Instant::now();
+    // A request count, or as many as the duration takes.
+    let requests = if settings.duration.is_some() {
+        usize::MAX
+    } else {
+        settings.requests
+    };
+    let out_of_time = || settings.duration.is_some_and(|d| start.elapsed() >= d);
     let next = AtomicUsize::new(0);
+    let working = AtomicUsize::new(settings.concurrency);
     let done = AtomicBool::new(false);
     let outcomes = Mutex::new(BTreeMap::<Outcome, usize>::new());
     let swaps = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let during = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
         for worker in 0..settings.concurrency {
-            let (next, outcomes) = (&next, &outcomes);
+            let (next, outcomes, working, latencies) = (&next, &outcomes, &working, &latencies);
             scope.spawn(move || {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(worker as u64);
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= settings.requests {
+                    if i >= requests || out_of_time() {
+                        working.fetch_sub(1, Ordering::Relaxed);
                         return;
                     }
                     let disconnect = rng.gen_bool(settings.disconnect_fraction);
+                    let sent = Instant::now();
                     let outcome = one_request(settings, i, i % 2 == 0, disconnect);
+                    if outcome == Outcome::Completed {
+                        latencies.record(sent.elapsed());
+                    }
                     *outcomes.lock().unwrap().entry(outcome).or_default() += 1;
                 }
             });
@@ -229,23 +291,41 @@ pub fn run(settings: &LoadSettings) -> LoadReport {
                 }
             });
         }
-        while next.load(Ordering::Relaxed) < settings.requests + settings.concurrency {
+        {
+            let (done, during, latencies) = (&done, &during, &latencies);
+            scope.spawn(move || {
+                let mut last = Instant::now();
+                while !done.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    if last.elapsed() >= settings.sample_every {
+                        let s = sample(settings, start, latencies, last);
+                        last = Instant::now();
+                        during.lock().unwrap().push(s);
+                    }
+                }
+            });
+        }
+        while working.load(Ordering::Relaxed) > 0 {
             std::thread::sleep(Duration::from_millis(100));
         }
         done.store(true, Ordering::Relaxed);
     });
     let seconds = start.elapsed().as_secs_f64();
-    // Cancelled requests free their KV within a step; give the server a moment to settle.
+    samples.extend(during.into_inner().unwrap());
+    // Cancelled requests free their KV within a step, and closed connections their
+    // descriptors once both ends shut: give the server a moment to settle.
+    let idle_fds = samples[0].fds;
     let settle = Instant::now();
-    let mut metrics = String::new();
-    while settle.elapsed() < Duration::from_secs(30) {
-        metrics = get(settings, "/metrics").unwrap_or_default();
-        let kv = samples_by(&metrics, "tokenrouter_kv_tokens_used", "model");
-        if !kv.is_empty() && kv.values().all(|&v| v == 0.0) {
-            break;
+    let last = loop {
+        let last = sample(settings, start, &latencies, Instant::now());
+        let settled = last.kv_tokens_used == 0.0 && last.fds <= idle_fds;
+        if settled || settle.elapsed() >= Duration::from_secs(30) {
+            break last;
         }
         std::thread::sleep(Duration::from_millis(200));
-    }
+    };
+    samples.push(last);
+    let metrics = get(settings, "/metrics").unwrap_or_default();
     let healthy_after = get(settings, "/health")
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         .is_some_and(|h| h["status"] == "ok");
@@ -268,8 +348,9 @@ pub fn run(settings: &LoadSettings) -> LoadReport {
         };
         *by_name.entry(name).or_default() += n;
     }
+    let all = latencies.all();
     LoadReport {
-        requests: settings.requests,
+        requests: outcomes.values().sum(),
         concurrency: settings.concurrency,
         seconds,
         outcomes: by_name,
@@ -281,6 +362,12 @@ pub fn run(settings: &LoadSettings) -> LoadReport {
         model_restarts: samples_by(&metrics, "tokenrouter_model_restarts_total", "model"),
         requests_total_by_status: samples_by(&metrics, "tokenrouter_requests_total", "status"),
         healthy_after,
+        latency_ms_p50: soak::quantile(&all, 0.5).unwrap_or(0.0),
+        latency_ms_p99: soak::quantile(&all, 0.99).unwrap_or(0.0),
+        soak: settings
+            .duration
+            .and_then(|_| soak::SoakCheck::from_samples(&samples)),
+        samples,
     }
 }
 
@@ -292,6 +379,7 @@ impl LoadReport {
             && self.healthy_after
             && !self.kv_tokens_used_after.is_empty()
             && self.kv_tokens_used_after.values().all(|&v| v == 0.0)
+            && self.soak.as_ref().is_none_or(soak::SoakCheck::passed)
     }
 
     pub fn markdown(&self) -> String {
@@ -321,6 +409,28 @@ impl LoadReport {
             fmt(&self.kv_tokens_used_after),
             self.healthy_after,
             if self.passed() { "PASS" } else { "FAIL" }
+        );
+        out += &format!(
+            "\nCompleted requests' latency: p50 {:.0} ms, p99 {:.0} ms.\n",
+            self.latency_ms_p50, self.latency_ms_p99
+        );
+        if let Some(check) = &self.soak {
+            out += &format!(
+                "\nMemory: {:.1} MiB at the end against {:.1} MiB at {:.0} s (the prefix cache \
+                 full), {:+.1} % (limit ±{:.0} %). Open file descriptors: {} idle before the \
+                 load, {} after it.\n",
+                check.rss_end_mib,
+                check.rss_reference_mib,
+                check.rss_reference_at_s,
+                100.0 * check.rss_change(),
+                100.0 * soak::RSS_TOLERANCE,
+                check.fds_idle,
+                check.fds_after,
+            );
+        }
+        out += &format!(
+            "\nSamples (the first before the load, the last after it settled):\n\n{}",
+            soak::table(&self.samples)
         );
         out
     }

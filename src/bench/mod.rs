@@ -10,6 +10,8 @@ pub mod plots;
 pub mod prompts;
 pub mod quality;
 pub mod routing;
+pub mod slow_clients;
+pub mod soak;
 pub mod std_serving;
 pub mod validate;
 pub mod workloads;

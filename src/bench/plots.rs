@@ -1,9 +1,11 @@
 //! SVG plots of a `bench routing` run (`--out DIR`): throughput per mode against concurrency
 //! for each policy, and the Markov model's prediction against the measured throughput; and
-//! of a `bench quality` run: accuracy against the LLM's token share.
+//! of a `bench quality` run: accuracy against the LLM's token share; and of a `bench load`
+//! soak: the server's memory, descriptors, KV and latency over time.
 
 use super::quality::QualityRow;
 use super::routing::RoutingBenchRow;
+use super::soak::Sample;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -186,6 +188,78 @@ fn accuracy_vs_share(rows: &[QualityRow], reference: &str, path: &Path) -> PlotR
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// `bench load --out DIR`: the samples over time, one panel each for memory and descriptors,
+/// KV, and latency.
+pub fn soak(samples: &[Sample], dir: &Path) -> PlotResult<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("soak.svg");
+    draw_soak(samples, &path)?;
+    Ok(path)
+}
+
+fn draw_soak(samples: &[Sample], path: &Path) -> PlotResult<()> {
+    let root = SVGBackend::new(path, (720, 900)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((3, 1));
+    let end = samples.last().map_or(1.0, |s| s.at_s.max(1.0));
+    type Series = (&'static str, fn(&Sample) -> Option<f64>);
+    let groups: [(&str, &str, Vec<Series>); 3] = [
+        (
+            "Server memory and open file descriptors",
+            "MiB / descriptors",
+            vec![
+                ("RSS MiB", |s| s.rss_mib),
+                ("open fds", |s| s.fds.map(|n| n as f64)),
+            ],
+        ),
+        (
+            "KV tokens (all models)",
+            "tokens",
+            vec![
+                ("used by requests", |s| Some(s.kv_tokens_used)),
+                ("cached", |s| Some(s.kv_tokens_cached)),
+            ],
+        ),
+        (
+            "Latency of the requests completed in each interval",
+            "ms",
+            vec![("p50", |s| s.latency_ms_p50), ("p99", |s| s.latency_ms_p99)],
+        ),
+    ];
+    for (panel, (caption, unit, series)) in panels.iter().zip(groups) {
+        let top = series
+            .iter()
+            .flat_map(|(_, pick)| samples.iter().filter_map(pick))
+            .fold(1.0, f64::max);
+        let mut chart = ChartBuilder::on(panel)
+            .caption(caption, ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..end, 0.0..top * 1.1)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .y_desc(unit)
+            .draw()?;
+        for (k, (label, pick)) in series.iter().enumerate() {
+            let points: Vec<(f64, f64)> = samples
+                .iter()
+                .filter_map(|s| pick(s).map(|v| (s.at_s, v)))
+                .collect();
+            labelled_line(&mut chart, points, k, label)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
     root.present()?;
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `bench routing`: closed-loop clients (N workers, each sends its next request when the
 //! previous one ends) against the runtime in each execution mode and against the reference
-//! model alone, modes interleaved round by round in one run so their ratios share the
-//! machine's conditions. Each cell also reports what the Markov model predicts from the
+//! model alone, modes interleaved round by round in one run (each round starting one mode
+//! later) so their ratios share the machine's conditions. Each cell also reports what the Markov model predicts from the
 //! routing measured in that cell, with L(b) fitted to the cell's steps and with L(b) from
 //! the models' step profiles; token timings (TTFT, inter-token gaps); the prefix cache's
 //! share of positions; and, with `--long-prompt`, how much one long prompt arriving
@@ -583,7 +583,6 @@ pub async fn run(
         return Err(RuntimeError::UnknownPolicy(unknown.clone()).into());
     }
     let names: Vec<String> = first.model_names().iter().map(|n| n.to_string()).collect();
-    let prompts = Rc::new(workloads::prompts(&first, settings.workload)?);
     if registry.get(&settings.reference).is_none() {
         return Err(RuntimeError::UnknownPolicy(settings.reference.clone()).into());
     }
@@ -604,25 +603,32 @@ pub async fn run(
     } else {
         None
     };
-    let mut reference = if first.tokenizer().is_ok() {
-        closed_loop(
-            first.clone(),
-            prompts.clone(),
-            &settings.reference,
-            1,
-            settings,
-        )
-        .await
-        .outputs
-    } else {
-        Vec::new()
-    };
-    reference.sort();
     let mut rows = Vec::new();
     for round in 0..settings.rounds {
+        let prompts = Rc::new(workloads::prompts(&first, settings.workload, round)?);
+        // The reference's greedy outputs for this round's prompts (batched steps give the
+        // tokens of unbatched ones, so it runs at the largest concurrency).
+        let mut reference = if first.tokenizer().is_ok() {
+            let n = settings.concurrency.iter().copied().max().unwrap_or(1);
+            closed_loop(
+                first.clone(),
+                prompts.clone(),
+                &settings.reference,
+                n,
+                settings,
+            )
+            .await
+            .outputs
+        } else {
+            Vec::new()
+        };
+        reference.sort();
         for policy in &policies {
             for &concurrency in &settings.concurrency {
-                for &mode in &settings.modes {
+                // Each round starts one mode later, so no mode always follows the same one.
+                let mut order = settings.modes.clone();
+                order.rotate_left(round % settings.modes.len());
+                for mode in order {
                     let cell = CellId {
                         policy,
                         mode,

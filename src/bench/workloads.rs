@@ -41,10 +41,15 @@ fn sentences() -> Vec<&'static str> {
     PROMPTS.iter().flat_map(|p| p.split(". ")).collect()
 }
 
-/// Chat messages per request of the workload.
-fn conversations(workload: Workload) -> Vec<Vec<ChatMessage>> {
+/// Chat messages per request of the workload in round `round` (later rounds tag each
+/// question, so no request repeats an earlier round's: with greedy decoding a repeat would
+/// replay its whole answer from a prefix cache).
+fn conversations(workload: Workload, round: usize) -> Vec<Vec<ChatMessage>> {
     let sentences = sentences();
-    let question = |s: &str| ChatMessage::user(format!("Explain briefly: {s}."));
+    let question = |s: &str| match round {
+        0 => ChatMessage::user(format!("Explain briefly: {s}.")),
+        r => ChatMessage::user(format!("Round {r}. Explain briefly: {s}.")),
+    };
     match workload {
         Workload::Short | Workload::Long => sentences.iter().map(|s| vec![question(s)]).collect(),
         Workload::Agent => (0..sentences.len())
@@ -70,20 +75,30 @@ fn conversations(workload: Workload) -> Vec<Vec<ChatMessage>> {
     }
 }
 
-/// Token prompts for the workload, in request order (request i takes prompt i mod len).
-pub fn prompts(runtime: &Runtime, workload: Workload) -> Result<Vec<Vec<u32>>, RuntimeError> {
+/// Token prompts for the workload in round `round`, in request order (request i takes
+/// prompt i mod len); every round's differ from every other's.
+pub fn prompts(
+    runtime: &Runtime,
+    workload: Workload,
+    round: usize,
+) -> Result<Vec<Vec<u32>>, RuntimeError> {
     let Ok(tokenizer) = runtime.tokenizer() else {
         let len = if workload == Workload::Agent {
             1024
         } else {
             24
         };
+        let shift = 13 * round as u32;
         return Ok((0..16u32)
-            .map(|i| (0..len).map(|j| 3 + (i * 31 + j * 7) % 200).collect())
+            .map(|i| {
+                (0..len)
+                    .map(|j| 3 + (i * 31 + j * 7 + shift) % 200)
+                    .collect()
+            })
             .collect());
     };
     let template = ChatTemplate::for_model(tokenizer)?;
-    conversations(workload)
+    conversations(workload, round)
         .iter()
         .map(|messages| Ok(tokenizer.encode(&template.render(messages, true)?)?))
         .collect()

@@ -21,6 +21,7 @@ use actix_web::{HttpRequest, HttpResponse};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
+use std::rc::{Rc, Weak};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -226,11 +227,13 @@ async fn run(
         generation.stop,
         reply.model_names.len(),
     );
+    let stall = (state.config.stream_stall_timeout_ms > 0)
+        .then(|| Duration::from_millis(state.config.stream_stall_timeout_ms));
     if generation.stream {
         Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
-            .streaming(sse(progress, reply)))
+            .streaming(sse(progress, reply, stall)))
     } else {
         respond_whole(progress, reply).await
     }
@@ -260,6 +263,10 @@ struct Progress {
     /// Set when the runtime reports the end: where the request's time in the models went,
     /// and the wall time from launch to that report.
     engine: Option<(EngineTiming, Duration)>,
+    /// When the stream last handed its client a chunk.
+    last_read: Instant,
+    /// Set when the client stopped reading for this long and the request was cancelled.
+    stalled: Option<Duration>,
 }
 
 /// One step of a generation, as the client sees it.
@@ -291,6 +298,8 @@ impl Progress {
             launched: Instant::now(),
             detokenize: Duration::ZERO,
             engine: None,
+            last_read: Instant::now(),
+            stalled: None,
         }
     }
 
@@ -570,11 +579,15 @@ fn event(value: &impl Serialize) -> String {
 }
 
 /// The SSE body: a role chunk (chat), one chunk per text delta, a final chunk with the
-/// finish reason, usage and routing, an optional usage-only chunk, then `[DONE]`.
+/// finish reason, usage and routing, an optional usage-only chunk, then `[DONE]`. With a
+/// `stall` limit, a watchdog cancels the request when its client stops reading (see
+/// `watch_for_stall`).
 fn sse(
     progress: Progress,
     reply: Reply,
+    stall: Option<Duration>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, actix_web::Error>> {
+    let policy = progress.handle.policy.clone();
     let first = (reply.flavor == Flavor::Chat).then(|| {
         let choice = Choice::Delta {
             index: 0,
@@ -585,53 +598,101 @@ fn sse(
             logprobs: None,
             finish_reason: None,
         };
-        event(&reply.envelope(&progress.handle.policy, true, vec![choice]))
+        event(&reply.envelope(&policy, true, vec![choice]))
     });
-    let state = (Some(progress), reply, first);
-    futures_util::stream::unfold(state, |(progress, reply, first)| async move {
-        if let Some(first) = first {
-            return Some((Ok(Bytes::from(first)), (progress, reply, None)));
-        }
-        let mut progress = progress?;
-        let policy = progress.handle.policy.clone();
-        loop {
-            let out = match progress.next().await {
-                Outcome::Delta(delta) if delta.is_empty() => continue,
-                Outcome::Delta(delta) => {
-                    let entries = progress.take_logprobs(reply.logprobs);
-                    let chunk = event(&reply.envelope(
-                        &policy,
-                        true,
-                        vec![reply.choice(&delta, None, true, entries)],
-                    ));
-                    return Some((Ok(Bytes::from(chunk)), (Some(progress), reply, None)));
-                }
-                Outcome::Done(rest, reason, stats) => {
-                    let usage = reply.usage(progress.completion_tokens());
-                    let entries = progress.take_logprobs(reply.logprobs);
-                    let last = Envelope {
-                        usage: Some(usage),
-                        routing: Some(reply.routing(&policy, &stats)),
-                        ..reply.envelope(
-                            &policy,
-                            true,
-                            vec![reply.choice(&rest, Some(reason), true, entries)],
-                        )
-                    };
-                    let mut out = event(&last);
-                    if reply.include_usage {
-                        let usage_only = Envelope {
-                            usage: Some(usage),
-                            ..reply.envelope(&policy, true, Vec::new())
-                        };
-                        out.push_str(&event(&usage_only));
-                    }
-                    out
-                }
-                Outcome::Failed(e) => event(&e.body()),
-            };
-            let out = out + "data: [DONE]\n\n";
-            return Some((Ok(Bytes::from(out)), (None, reply, None)));
+    let shared = Rc::new(tokio::sync::Mutex::new(progress));
+    if let Some(stall) = stall {
+        actix_web::rt::spawn(watch_for_stall(Rc::downgrade(&shared), stall));
+    }
+    let state = (Some(shared), reply, first);
+    futures_util::stream::unfold(state, move |(shared, reply, first)| {
+        let policy = policy.clone();
+        async move {
+            if let Some(first) = first {
+                return Some((Ok(Bytes::from(first)), (shared, reply, None)));
+            }
+            let shared = shared?;
+            let (out, more) = next_chunk(&mut *shared.lock().await, &reply, &policy).await;
+            let next = more.then_some(shared);
+            Some((Ok(Bytes::from(out)), (next, reply, None)))
         }
     })
+}
+
+/// The stream's next chunk, and whether more follow.
+async fn next_chunk(progress: &mut Progress, reply: &Reply, policy: &str) -> (String, bool) {
+    if let Some(stalled) = progress.stalled {
+        let error = ApiError::DeadlineExceeded(format!(
+            "the client read nothing for {} ms while tokens waited: the request was cancelled",
+            stalled.as_millis()
+        ));
+        return (event(&error.body()) + "data: [DONE]\n\n", false);
+    }
+    let out = loop {
+        match progress.next().await {
+            Outcome::Delta(delta) if delta.is_empty() => continue,
+            Outcome::Delta(delta) => {
+                let entries = progress.take_logprobs(reply.logprobs);
+                let chunk = event(&reply.envelope(
+                    policy,
+                    true,
+                    vec![reply.choice(&delta, None, true, entries)],
+                ));
+                progress.last_read = Instant::now();
+                return (chunk, true);
+            }
+            Outcome::Done(rest, reason, stats) => {
+                let usage = reply.usage(progress.completion_tokens());
+                let entries = progress.take_logprobs(reply.logprobs);
+                let last = Envelope {
+                    usage: Some(usage),
+                    routing: Some(reply.routing(policy, &stats)),
+                    ..reply.envelope(
+                        policy,
+                        true,
+                        vec![reply.choice(&rest, Some(reason), true, entries)],
+                    )
+                };
+                let mut out = event(&last);
+                if reply.include_usage {
+                    let usage_only = Envelope {
+                        usage: Some(usage),
+                        ..reply.envelope(policy, true, Vec::new())
+                    };
+                    out.push_str(&event(&usage_only));
+                }
+                break out;
+            }
+            Outcome::Failed(e) => break event(&e.body()),
+        }
+    };
+    (out + "data: [DONE]\n\n", false)
+}
+
+/// Cancels a streamed request whose client stopped reading: once the client's socket buffer
+/// is full the stream is no longer polled, so tokens wait unread; after `stall` of that the
+/// request is treated like a disconnect (its KV freed on every model). A stream being read
+/// holds its lock (or has nothing waiting), so a slow but reading client is never cut off.
+async fn watch_for_stall(progress: Weak<tokio::sync::Mutex<Progress>>, stall: Duration) {
+    let mut ticks = actix_web::rt::time::interval((stall / 4).max(Duration::from_millis(10)));
+    loop {
+        ticks.tick().await;
+        // Gone: the response ended or the client disconnected.
+        let Some(progress) = progress.upgrade() else {
+            return;
+        };
+        let Ok(mut progress) = progress.try_lock() else {
+            continue;
+        };
+        if progress.handle.events.is_empty() || progress.last_read.elapsed() < stall {
+            continue;
+        }
+        tracing::debug!(
+            rid = %progress.handle.rid,
+            "the client stopped reading its stream: cancelled"
+        );
+        progress.handle.cancel();
+        progress.stalled = Some(stall);
+        return;
+    }
 }

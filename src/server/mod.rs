@@ -189,7 +189,15 @@ pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let hangups = signal(SignalKind::hangup())?;
     let terminate = signal(SignalKind::terminate())?;
     let interrupt = signal(SignalKind::interrupt())?;
+    let send_buffer = limits.send_buffer_bytes;
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
+        .on_connect(move |connection, _| {
+            if let Some(tcp) = connection.downcast_ref::<actix_web::rt::net::TcpStream>() {
+                if send_buffer > 0 {
+                    let _ = socket2::SockRef::from(tcp).set_send_buffer_size(send_buffer);
+                }
+            }
+        })
         .workers(limits.workers)
         .max_connections(limits.max_connections)
         .keep_alive(if limits.keep_alive_s > 0.0 {
