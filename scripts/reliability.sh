@@ -2,9 +2,11 @@
 # Produces docs/reliability.md (and docs/plots/reliability/soak.svg): the real CPU pair under
 # load through the HTTP API, in two parts.
 #  1. A soak: `tokenrouter serve` (release) with an executor panic injected every FAULT_EVERY
-#     steps per model, driven by `tokenrouter bench load` for DURATION_S seconds (or REQUESTS
-#     requests when DURATION_S=0) with random client disconnects and policy swaps, sampling
-#     the server's memory, descriptors, KV and latency every SAMPLE_EVERY_S; then SIGTERM.
+#     steps per model and a KV budget of SOAK_KV_TOKENS per model (small enough that the
+#     prefix cache refills to it between panics, which clear it), driven by `tokenrouter
+#     bench load` for DURATION_S seconds (or REQUESTS requests when DURATION_S=0) with random
+#     client disconnects and policy swaps, sampling the server's memory, descriptors, KV and
+#     latency every SAMPLE_EVERY_S; then SIGTERM.
 #  2. Slow clients: a fresh server without faults; a normal load (SLOW_CONCURRENCY clients,
 #     SLOW_MAX_TOKENS tokens, the default policy) measured alone and beside IDLE_CLIENTS idle
 #     and SLOW_CLIENTS slow-loris connections, SLOW_ROUNDS rounds.
@@ -17,6 +19,7 @@ REQUESTS="${REQUESTS:-2000}"
 CONCURRENCY="${CONCURRENCY:-64}"
 MAX_TOKENS="${MAX_TOKENS:-8}"
 FAULT_EVERY="${FAULT_EVERY:-500}"
+SOAK_KV_TOKENS="${SOAK_KV_TOKENS:-16384}"
 SAMPLE_EVERY_S="${SAMPLE_EVERY_S:-30}"
 IDLE_CLIENTS="${IDLE_CLIENTS:-1000}"
 SLOW_CLIENTS="${SLOW_CLIENTS:-200}"
@@ -44,7 +47,8 @@ start_server() { # config, log
 }
 
 # 1. The soak.
-sed "s/^threads = 1$/threads = 1\nfault_every_steps = ${FAULT_EVERY}/" config/default.toml > "$work/faulty.toml"
+sed -e "s/^threads = 1$/threads = 1\nfault_every_steps = ${FAULT_EVERY}/" \
+    -e "s/^kv_tokens = .*/kv_tokens = ${SOAK_KV_TOKENS}/" config/default.toml > "$work/faulty.toml"
 start_server "$work/faulty.toml" "$work/server.log"
 if [ "$DURATION_S" = 0 ]; then
     size=(--requests "$REQUESTS"); what="REQUESTS=${REQUESTS}"
@@ -84,7 +88,7 @@ set -e
     echo "# Reliability under load"
     echo
     echo "Produced by \`bash scripts/reliability.sh\` (${what} CONCURRENCY=${CONCURRENCY}"
-    echo "MAX_TOKENS=${MAX_TOKENS} FAULT_EVERY=${FAULT_EVERY} SAMPLE_EVERY_S=${SAMPLE_EVERY_S};"
+    echo "MAX_TOKENS=${MAX_TOKENS} FAULT_EVERY=${FAULT_EVERY} SOAK_KV_TOKENS=${SOAK_KV_TOKENS} SAMPLE_EVERY_S=${SAMPLE_EVERY_S};"
     echo "IDLE_CLIENTS=${IDLE_CLIENTS} SLOW_CLIENTS=${SLOW_CLIENTS} SLOW_CONCURRENCY=${SLOW_CONCURRENCY}"
     echo "SLOW_MAX_TOKENS=${SLOW_MAX_TOKENS} SLOW_REQUESTS=${SLOW_REQUESTS} SLOW_ROUNDS=${SLOW_ROUNDS})"
     echo "on $(date -u +%Y-%m-%d), $(nproc) cores, the real CPU pair (config/default.toml), the"
@@ -93,14 +97,18 @@ set -e
     echo "## Soak"
     echo
     echo "\`${soak_command}\` against \`tokenrouter serve\` with an executor panic injected every"
-    echo "${FAULT_EVERY} steps of each model: 10 % random client disconnects (streams dropped after"
+    echo "${FAULT_EVERY} steps of each model and \`kv_tokens = ${SOAK_KV_TOKENS}\` per model (a panic clears"
+    echo "the prefix cache; at the shipped 65536 it would not refill to its cap between panics, and"
+    echo "a KV block's memory, once touched, is kept for reuse, so memory would keep rising towards"
+    echo "that cap): 10 % random client disconnects (streams dropped after"
     echo "their first event, whole answers abandoned after 50 ms), the default policy swapped"
     echo "every 10 s between me, r2r and citer, the prefix cache on; then SIGTERM. A request"
     echo "resident on a model when its panic fires fails cleanly (HTTP 500 or an error event in"
     echo "its stream); the model restarts and the rest continue. Memory passes when it ends within"
-    echo "5 % of its value once the prefix cache is full (the first sample after 5 minutes with"
-    echo "the cache within 2 % of the most it held); descriptors when they return to their count"
-    echo "before the load. Plot: [soak.svg](plots/reliability/soak.svg)."
+    echo "5 % of its value once the prefix cache has reached its cap (the first sample with KV in"
+    echo "use and cached at ≥ 98 % of the budget; without one, the first after 5 minutes);"
+    echo "descriptors when they return to their count before the load. Plot:"
+    echo "[soak.svg](plots/reliability/soak.svg)."
     echo
     cat "$work/soak.md"
     echo

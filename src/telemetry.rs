@@ -21,6 +21,7 @@ pub const KV_TOKENS_USED: &str = "tokenrouter_kv_tokens_used";
 pub const CONTROLLER_TOKENS_PER_SECOND: &str = "tokenrouter_controller_tokens_per_second";
 pub const CONTROLLER_EAGER_CHOSEN: &str = "tokenrouter_controller_eager_chosen";
 pub const KV_TOKENS_CACHED: &str = "tokenrouter_kv_tokens_cached";
+pub const KV_TOKENS_CAPACITY: &str = "tokenrouter_kv_tokens_capacity";
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "tokenrouter_prefix_cache_hits_total";
 pub const PREFIX_CACHE_HIT_TOKENS_TOTAL: &str = "tokenrouter_prefix_cache_hit_tokens_total";
 pub const PREFIX_CACHE_LOOKUPS_TOTAL: &str = "tokenrouter_prefix_cache_lookups_total";
@@ -110,6 +111,10 @@ fn describe() {
         "KV cache tokens only the prefix cache holds (evictable)"
     );
     describe_gauge!(
+        KV_TOKENS_CAPACITY,
+        "This model's KV budget in tokens (requests and prefix cache)"
+    );
+    describe_gauge!(
         CONTROLLER_TOKENS_PER_SECOND,
         "Committed tokens/s of the tuned thresholds and of eager launch (the eager check)"
     );
@@ -167,6 +172,7 @@ pub struct ModelMetrics {
     batch_size: Histogram,
     kv_tokens_used: Gauge,
     kv_tokens_cached: Gauge,
+    kv_tokens_capacity: Gauge,
     prefix_lookups: Counter,
     prefix_hits: Counter,
     prefix_hit_tokens: Counter,
@@ -186,6 +192,7 @@ impl ModelMetrics {
             batch_size: histogram!(BATCH_SIZE, &label()),
             kv_tokens_used: gauge!(KV_TOKENS_USED, &label()),
             kv_tokens_cached: gauge!(KV_TOKENS_CACHED, &label()),
+            kv_tokens_capacity: gauge!(KV_TOKENS_CAPACITY, &label()),
             prefix_lookups: counter!(PREFIX_CACHE_LOOKUPS_TOTAL, &label()),
             prefix_hits: counter!(PREFIX_CACHE_HITS_TOTAL, &label()),
             prefix_hit_tokens: counter!(PREFIX_CACHE_HIT_TOKENS_TOTAL, &label()),
@@ -203,6 +210,7 @@ impl ModelMetrics {
     pub fn usage(&self, kv: &KvUsage, prefix: &PrefixCounters, pending: usize) {
         self.kv_tokens_used.set(kv.used_tokens as f64);
         self.kv_tokens_cached.set(kv.cached_tokens as f64);
+        self.kv_tokens_capacity.set(kv.capacity_tokens as f64);
         self.prefix_lookups.absolute(prefix.lookups);
         self.prefix_hits.absolute(prefix.hits);
         self.prefix_hit_tokens.absolute(prefix.hit_tokens);

@@ -220,6 +220,7 @@ fn sample(
         fds,
         kv_tokens_used: sum("tokenrouter_kv_tokens_used"),
         kv_tokens_cached: sum("tokenrouter_kv_tokens_cached"),
+        kv_tokens_capacity: sum("tokenrouter_kv_tokens_capacity"),
         completed: window.len(),
         latency_ms_p50: soak::quantile(&window, 0.5),
         latency_ms_p99: soak::quantile(&window, 0.99),
@@ -416,12 +417,16 @@ impl LoadReport {
         );
         if let Some(check) = &self.soak {
             out += &format!(
-                "\nMemory: {:.1} MiB at the end against {:.1} MiB at {:.0} s (the prefix cache \
-                 full), {:+.1} % (limit ±{:.0} %). Open file descriptors: {} idle before the \
-                 load, {} after it.\n",
+                "\nMemory: {:.1} MiB at the end against {:.1} MiB at {:.0} s ({}), {:+.1} % \
+                 (limit ±{:.0} %). Open file descriptors: {} idle before the load, {} after it.\n",
                 check.rss_end_mib,
                 check.rss_reference_mib,
                 check.rss_reference_at_s,
+                if check.kv_full_at_reference {
+                    "the KV at its budget, prefix cache full"
+                } else {
+                    "5 minutes in; the KV never reached its budget"
+                },
                 100.0 * check.rss_change(),
                 100.0 * soak::RSS_TOLERANCE,
                 check.fds_idle,

@@ -8,6 +8,7 @@
 //! mid-cell stretches the other requests' inter-token gaps.
 
 use super::median;
+use super::soak::quantile;
 use super::std_serving::{self, Breakdown};
 use super::workloads::{self, Workload};
 use serde::Serialize;
@@ -431,16 +432,6 @@ fn long_prompt_gap_ratio(tally: &Tally) -> Option<f64> {
     Some(worst / typical)
 }
 
-/// The `q`-quantile (nearest rank) of a sample; 0 when empty.
-fn quantile(values: &mut [f64], q: f64) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    values.sort_by(f64::total_cmp);
-    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
-    values[rank - 1]
-}
-
 /// Fraction of the reference's positions where `output` has the same token.
 fn agreement(output: &[u32], reference: &[u32]) -> f64 {
     if reference.is_empty() {
@@ -745,7 +736,7 @@ impl CellId<'_> {
         settings: &RoutingBenchSettings,
     ) -> RoutingBenchRow {
         let med = |v: &mut Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
-        let mut gaps: Vec<f64> = t.gaps.iter().map(|&(_, ms)| ms).collect();
+        let gaps: Vec<f64> = t.gaps.iter().map(|&(_, ms)| ms).collect();
         t.outputs.sort();
         let mut digest = std::collections::hash_map::DefaultHasher::new();
         t.outputs.hash(&mut digest);
@@ -783,9 +774,9 @@ impl CellId<'_> {
             long_prompt_gap_ratio: long_prompt_gap_ratio(&t),
             controller: None,
             ttft_ms_median: med(&mut t.ttft_ms),
-            ttft_ms_p99: quantile(&mut t.ttft_ms, 0.99),
-            itl_ms_median: quantile(&mut gaps, 0.5),
-            itl_ms_p99: quantile(&mut gaps, 0.99),
+            ttft_ms_p99: quantile(&t.ttft_ms, 0.99).unwrap_or(0.0),
+            itl_ms_median: quantile(&gaps, 0.5).unwrap_or(0.0),
+            itl_ms_p99: quantile(&gaps, 0.99).unwrap_or(0.0),
             latency_ms_median: med(&mut t.latency_ms),
             prefix_cached_share: Vec::new(),
             per_model: Vec::new(),

@@ -1,7 +1,8 @@
 //! What `bench load` samples while it runs: the server's resident memory and open file
 //! descriptors (from `/proc`, so on the same host), its KV in use and cached (`/metrics`),
 //! and the latency of the requests that completed since the previous sample; and the soak's
-//! verdict on them: memory flat once the prefix cache is full, descriptors back to idle.
+//! verdict on them: memory flat once the prefix cache has reached its cap (the KV budget),
+//! descriptors back to idle.
 
 use serde::Serialize;
 use std::sync::Mutex;
@@ -9,10 +10,11 @@ use std::time::{Duration, Instant};
 
 /// A soak's memory must end within this fraction of its reference.
 pub const RSS_TOLERANCE: f64 = 0.05;
-/// Without a full prefix cache by then, the memory reference is the sample at this time.
+/// When the KV never fills, the memory reference is the first sample after this time.
 const RSS_REFERENCE_AFTER: Duration = Duration::from_secs(300);
-/// The cache counts as full within this fraction of the most it held.
-const CACHE_FULL: f64 = 0.98;
+/// The KV (requests and prefix cache) counts as full from this fraction of its budget: a
+/// block's memory, once touched, is kept for reuse, so from then on it no longer grows.
+const KV_FULL: f64 = 0.98;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
@@ -23,6 +25,7 @@ pub struct Sample {
     /// Summed over the models.
     pub kv_tokens_used: f64,
     pub kv_tokens_cached: f64,
+    pub kv_tokens_capacity: f64,
     /// Requests completed since the previous sample, and their latency.
     pub completed: usize,
     pub latency_ms_p50: Option<f64>,
@@ -31,10 +34,12 @@ pub struct Sample {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SoakCheck {
-    /// The sample memory is compared with: the first after 5 minutes with the prefix cache
-    /// full (or the first after 5 minutes).
+    /// The sample memory is compared with: the first with the KV at its budget (or, where
+    /// it never got there, the first after 5 minutes).
     pub rss_reference_at_s: f64,
     pub rss_reference_mib: f64,
+    /// Whether the KV was at its budget at the reference (else: 5 minutes in).
+    pub kv_full_at_reference: bool,
     pub rss_end_mib: f64,
     pub fds_idle: usize,
     pub fds_after: usize,
@@ -56,21 +61,19 @@ impl SoakCheck {
         }
         let (idle, end) = (&samples[0], &samples[samples.len() - 1]);
         let during = &samples[1..samples.len() - 1];
-        let most_cached = during
-            .iter()
-            .map(|s| s.kv_tokens_cached)
-            .fold(0.0, f64::max);
-        let late = || {
+        let kv_full = |s: &Sample| {
+            s.kv_tokens_capacity > 0.0
+                && s.kv_tokens_used + s.kv_tokens_cached >= KV_FULL * s.kv_tokens_capacity
+        };
+        let reference = during.iter().find(|s| kv_full(s)).or_else(|| {
             during
                 .iter()
-                .filter(|s| s.at_s >= RSS_REFERENCE_AFTER.as_secs_f64())
-        };
-        let reference = late()
-            .find(|s| s.kv_tokens_cached >= CACHE_FULL * most_cached)
-            .or_else(|| late().next())?;
+                .find(|s| s.at_s >= RSS_REFERENCE_AFTER.as_secs_f64())
+        })?;
         Some(Self {
             rss_reference_at_s: reference.at_s,
             rss_reference_mib: reference.rss_mib?,
+            kv_full_at_reference: kv_full(reference),
             rss_end_mib: end.rss_mib?,
             fds_idle: idle.fds?,
             fds_after: end.fds?,
@@ -168,8 +171,9 @@ mod tests {
             at_s,
             rss_mib: Some(rss),
             fds: Some(fds),
-            kv_tokens_used: 0.0,
+            kv_tokens_used: 100.0,
             kv_tokens_cached: cached,
+            kv_tokens_capacity: 1100.0,
             completed: 0,
             latency_ms_p50: None,
             latency_ms_p99: None,
@@ -177,17 +181,18 @@ mod tests {
     }
 
     #[test]
-    fn memory_is_judged_from_the_first_full_cache_after_five_minutes() {
+    fn memory_is_judged_from_the_first_sample_with_the_kv_at_its_budget() {
         let samples = vec![
             sample(-1.0, 100.0, 20, 0.0),
             sample(240.0, 300.0, 90, 900.0),
             sample(300.0, 380.0, 90, 950.0),
             sample(330.0, 400.0, 90, 1000.0),
-            sample(600.0, 410.0, 90, 1000.0),
+            sample(600.0, 410.0, 90, 200.0),
             sample(601.0, 415.0, 20, 1000.0),
         ];
         let check = SoakCheck::from_samples(&samples).unwrap();
         assert_eq!(check.rss_reference_at_s, 330.0);
+        assert!(check.kv_full_at_reference);
         assert!((check.rss_change() - 0.0375).abs() < 1e-9);
         assert!(check.passed());
         let mut leaking = samples.clone();
@@ -196,6 +201,20 @@ mod tests {
         let mut holding = samples;
         holding.last_mut().unwrap().fds = Some(21);
         assert!(!SoakCheck::from_samples(&holding).unwrap().passed());
+    }
+
+    #[test]
+    fn without_a_full_kv_the_reference_is_the_first_sample_after_five_minutes() {
+        let samples = vec![
+            sample(-1.0, 100.0, 20, 0.0),
+            sample(240.0, 300.0, 90, 500.0),
+            sample(310.0, 380.0, 90, 900.0),
+            sample(600.0, 390.0, 90, 700.0),
+            sample(601.0, 395.0, 20, 0.0),
+        ];
+        let check = SoakCheck::from_samples(&samples).unwrap();
+        assert_eq!(check.rss_reference_at_s, 310.0);
+        assert!(!check.kv_full_at_reference);
     }
 
     #[test]
