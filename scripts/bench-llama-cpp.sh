@@ -2,32 +2,78 @@
 # Side-by-side engine comparison with llama.cpp on the same GGUF file and thread count. The
 # machines are shared and noisy, so the two engines alternate for ROUNDS rounds in one run and
 # the table reports per-round ratios and their median.
-# Not part of CI: it builds llama-cpp-python from PyPI into .venv-llama (several minutes once).
+# Not part of CI: it builds llama-cpp-python from PyPI into .venv-llama (several minutes once),
+# with the build flags pinned below (AMX off: it crashes in these VMs).
 #
-#   bash scripts/bench-llama-cpp.sh [threads=2] [model=smollm2-135m] [rounds=3]
-# Prints markdown tables and writes target/bench-llama-cpp.json.
+#   bash scripts/bench-llama-cpp.sh [threads=2] [model=smollm2-135m] [rounds=3] [file]
+# `file`: a GGUF file to run instead of the model's own, or a llama.cpp preset (q4_k_m,
+# q5_k_m, q6_k, ...) to make from the model's file with llama.cpp's quantizer (requantizing,
+# as users do with downloaded checkpoints) into models/derived/. Prints markdown tables (and
+# the file's tensor formats) and writes target/bench-llama-cpp.json.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 THREADS="${1:-2}"
 MODEL="${2:-smollm2-135m}"
 ROUNDS="${3:-3}"
+FILE="${4:-}"
 LLAMA_CPP_VERSION="0.3.36"
+GGUF_PY_VERSION="0.17.1"
+
+# Pinned build: the instruction sets this CPU has, never AMX, no -march=native.
+flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+flags+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+has() { grep -qw "$1" /proc/cpuinfo; }
+if has avx512f && has avx512bw && has avx512vl; then flags+=" -DGGML_AVX512=ON"; fi
+if has avx512_vnni; then flags+=" -DGGML_AVX512_VNNI=ON"; fi
+if has avx512_bf16; then flags+=" -DGGML_AVX512_BF16=ON"; fi
+stamp="llama-cpp-python==${LLAMA_CPP_VERSION} gguf==${GGUF_PY_VERSION} ${flags}"
 
 bash scripts/fetch-model.sh >/dev/null
-if ! .venv-llama/bin/python -c "import llama_cpp" 2>/dev/null; then
+if [ "$(cat .venv-llama/build-flags 2>/dev/null)" != "$stamp" ] \
+    || ! .venv-llama/bin/python -c "import llama_cpp" 2>/dev/null; then
+    rm -rf .venv-llama
     python3 -m venv .venv-llama
-    .venv-llama/bin/pip install --quiet --disable-pip-version-check "llama-cpp-python==${LLAMA_CPP_VERSION}"
+    CMAKE_ARGS="$flags" .venv-llama/bin/pip install --quiet --disable-pip-version-check \
+        --no-binary llama-cpp-python "llama-cpp-python==${LLAMA_CPP_VERSION}" \
+        "gguf==${GGUF_PY_VERSION}"
+    echo "$stamp" > .venv-llama/build-flags
 fi
 cargo build --release --quiet
 
 config="config/default.toml"
 gguf=$(awk -v m="$MODEL" '/^name = /{n=$3} /^path = /{if (n=="\""m"\"") {gsub(/"/,"",$3); print $3; exit}}' "$config")
 
-.venv-llama/bin/python - "$gguf" "$THREADS" "$MODEL" "$ROUNDS" "$config" <<'PY'
-import json, statistics, subprocess, sys
+.venv-llama/bin/python - "$gguf" "$THREADS" "$MODEL" "$ROUNDS" "$config" "$FILE" "$stamp" <<'PY'
+import collections, ctypes, json, os, statistics, subprocess, sys
 import llama_cpp
+from llama_cpp import llama_cpp as capi
 
-path, threads, model, rounds, config = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+path, threads, model, rounds, config, file, build = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7]
+
+PRESETS = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12,
+           "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}
+if file in PRESETS:
+    os.makedirs("models/derived", exist_ok=True)
+    out = f"models/derived/{os.path.splitext(os.path.basename(path))[0]}.{file.upper()}.gguf"
+    if not os.path.exists(out):
+        params = capi.llama_model_quantize_default_params()
+        params.ftype = PRESETS[file]
+        params.allow_requantize = True
+        params.nthread = threads
+        rc = capi.llama_model_quantize(path.encode(), out.encode(), ctypes.byref(params))
+        if rc != 0:
+            sys.exit(f"llama.cpp's quantizer failed on {path} ({rc})")
+    path = out
+elif file:
+    if not os.path.exists(file):
+        sys.exit(f"{file}: no such GGUF file, and not a preset ({', '.join(PRESETS)})")
+    path = file
+
+def tensor_formats(path):
+    """Matrix count per stored format, from the file's header."""
+    from gguf import GGUFReader
+    counts = collections.Counter(t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2)
+    return dict(sorted(counts.items()))
 llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_batch=512, n_ubatch=512,
                       n_threads=threads, n_threads_batch=threads, verbose=False)
 
@@ -58,7 +104,8 @@ def llama_cpp_round():
 
 def tokenrouter_round():
     out = subprocess.run(["./target/release/tokenrouter", "bench", "engine", "--config", config,
-                          "--model", model, "--threads", str(threads), "--batch", "1,2,4,8,16",
+                          "--model", model, "--path", path, "--weights", "stored",
+                          "--threads", str(threads), "--batch", "1,2,4,8,16",
                           "--steps", "32", "--json"], check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
@@ -75,10 +122,13 @@ for _ in range(rounds):
     })
 median = {k: statistics.median(r[k] for r in results)
           for k in ["decode_b1_vs_llama_cpp", "prefill_vs_llama_cpp", "aggregate_b8_vs_b1"]}
-json.dump({"threads": threads, "model_file": path, "llama_cpp_version": llama_cpp.__version__,
-           "rounds": results, "median": median}, open("target/bench-llama-cpp.json", "w"), indent=2)
+formats = tensor_formats(path)
+json.dump({"threads": threads, "model_file": path, "matrix_formats": formats,
+           "llama_cpp_build": build, "rounds": results, "median": median},
+          open("target/bench-llama-cpp.json", "w"), indent=2)
 
-print(f"`{path}`, {threads} thread(s), llama-cpp-python {llama_cpp.__version__}, {rounds} alternating rounds\n")
+print(f"`{path}` (matrices: {', '.join(f'{n} {k}' for k, n in formats.items())}), {threads} thread(s), "
+      f"{rounds} alternating rounds; llama.cpp: {build}\n")
 print("| round | decode B=1 tok/s (ours / llama.cpp) | prefill 512 tok/s (ours / llama.cpp) | B=8 aggregate tok/s (ours) | B=8 / B=1 |")
 print("|---:|---|---|---:|---:|")
 for i, r in enumerate(results, 1):
@@ -88,4 +138,8 @@ for i, r in enumerate(results, 1):
           f"| {tok[8]:.1f} | {r['aggregate_b8_vs_b1']:.2f}× |")
 print(f"\nmedians: decode B=1 {median['decode_b1_vs_llama_cpp']:.2f}× llama.cpp, "
       f"prefill {median['prefill_vs_llama_cpp']:.2f}× llama.cpp, B=8 aggregate {median['aggregate_b8_vs_b1']:.2f}× B=1")
+bound = results[-1]["tokenrouter"].get("bound")
+if bound:
+    print(f"bound (last round): {bound['weight_bytes'] / 1e6:.1f} MB per step / {bound['read_gb_per_s']:.1f} GB/s "
+          f"= {bound['bound_ms']:.2f} ms; our B=1 step at {100 * bound['fraction_of_bound']:.0f} % of it")
 PY

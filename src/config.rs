@@ -474,6 +474,13 @@ pub enum WeightPrecision {
     F32,
     Q8_0,
     Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    /// K-quants; rows whose width 256 does not divide fall back to Q5_0 / Q5_1 / Q8_0.
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 /// The processor a model's executor runs on.

@@ -9,7 +9,9 @@ use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
-use tokenrouter::config::{Config, ExecutionMode, ModelConfig, DEFAULT_CONFIG_PATH};
+use tokenrouter::config::{
+    Config, ExecutionMode, ModelConfig, WeightPrecision, DEFAULT_CONFIG_PATH,
+};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{load_executor, weights, Executor, SamplingParams};
@@ -331,6 +333,12 @@ struct BenchEngineArgs {
     config: ConfigArg,
     #[arg(long)]
     model: Option<String>,
+    /// Weights file (GGUF) or checkpoint directory, overriding the model's `path`.
+    #[arg(long)]
+    path: Option<std::path::PathBuf>,
+    /// Weight precision (`stored`, `f32`, `q8_0`, ...), overriding the model's `weights`.
+    #[arg(long, value_parser = parse_weight_precision)]
+    weights: Option<WeightPrecision>,
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     batch: Vec<usize>,
     /// Timed decode steps per batch size.
@@ -560,6 +568,11 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     })
 }
 
+/// A `weights` value as the config file spells it.
+fn parse_weight_precision(value: &str) -> Result<WeightPrecision, String> {
+    serde_json::from_value(json!(value)).map_err(|e| format!("{e}"))
+}
+
 fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     if args.batch.is_empty() || args.batch.contains(&0) || args.steps == 0 {
         anyhow::bail!("--batch needs positive sizes and --steps must be at least 1");
@@ -573,7 +586,11 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         device: args.device.unwrap_or(model.device),
         ..model.clone()
     };
-    let model = with_overrides(pick_model(&config, args.model.as_deref())?);
+    let mut model = with_overrides(pick_model(&config, args.model.as_deref())?);
+    if let Some(path) = &args.path {
+        model.path = path.clone();
+    }
+    model.weights = args.weights.unwrap_or(model.weights);
     let mut executor = load_executor(&model)?;
     let settings = bench::engine::EngineBenchSettings {
         batches: args.batch,

@@ -261,7 +261,8 @@ fn tiny_models_decode_on_the_gpu_as_on_the_cpu() {
     }
 }
 
-/// Q8_0 / Q4_0 / Q4_1 run the integer-dot kernels on 8-bit activations on both sides.
+/// Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K run the integer-dot kernels on 8-bit
+/// activations on both sides (K-quant blocks span 256 inputs, hence a wider model for them).
 #[test]
 fn tiny_models_in_int8_formats_follow_the_cpu_on_the_gpu() {
     if !gpu_or_skip() {
@@ -269,13 +270,35 @@ fn tiny_models_in_int8_formats_follow_the_cpu_on_the_gpu() {
     }
     let dir = tempfile::tempdir().unwrap();
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
+        for dtype in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+        ] {
             let path = common::write_gguf(&dir.path().join("m.gguf"), &TinySpec::new(arch), dtype);
             let config = common::model_config("tiny", &path);
             let what = format!("{arch:?} {dtype:?}");
             let tolerance = common::INT8_ACTIVATION_TOLERANCE;
             assert_gpu_follows_cpu(&config, &config, tolerance, &what);
         }
+    }
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q5K] {
+        let path = common::write_gguf(&dir.path().join("m.gguf"), &wide_spec(), dtype);
+        let config = common::model_config("tiny", &path);
+        let tolerance = common::INT8_ACTIVATION_TOLERANCE;
+        assert_gpu_follows_cpu(&config, &config, tolerance, &format!("{dtype:?}"));
+    }
+}
+
+/// A tiny model whose widths K-quant superblocks (256 inputs) divide.
+fn wide_spec() -> TinySpec {
+    TinySpec {
+        hidden: 256,
+        head_dim: 64,
+        ffn: 512,
+        ..TinySpec::new(Arch::Llama)
     }
 }
 
@@ -289,21 +312,12 @@ fn tiny_models_in_dense_gpu_formats_follow_the_cpu() {
     }
     let dir = tempfile::tempdir().unwrap();
     let narrow = TinySpec::new(Arch::Llama);
-    let wide = TinySpec {
-        hidden: 256,
-        head_dim: 64,
-        ffn: 512,
-        ..TinySpec::new(Arch::Llama)
-    };
+    let wide = wide_spec();
     let cases = [
         (GgmlDType::F16, &narrow),
         (GgmlDType::BF16, &narrow),
-        (GgmlDType::Q5_0, &narrow),
-        (GgmlDType::Q5_1, &narrow),
         (GgmlDType::Q2K, &wide),
         (GgmlDType::Q3K, &wide),
-        (GgmlDType::Q4K, &wide),
-        (GgmlDType::Q5K, &wide),
         (GgmlDType::Q6K, &wide),
     ];
     for (dtype, spec) in cases {

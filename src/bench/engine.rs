@@ -1,6 +1,8 @@
-//! `bench engine`: median decode-step time per batch size on one model, plus prefill rate.
-//! Each batch row mixes sequences of different context lengths (a ragged batch).
+//! `bench engine`: median decode-step time per batch size on one model, plus prefill rate and,
+//! on the CPU, the B = 1 step against its memory-bandwidth bound. Each batch row mixes
+//! sequences of different context lengths (a ragged batch).
 
+use super::bandwidth::{self, Bound};
 use super::median;
 use serde::Serialize;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,6 +39,8 @@ pub struct EngineBenchReport {
     pub rows: Vec<EngineBenchRow>,
     pub fit: AffineFit,
     pub prefill: PrefillResult,
+    /// With the weights in host memory and a B = 1 row.
+    pub bound: Option<Bound>,
 }
 
 pub struct EngineBenchSettings {
@@ -196,6 +200,14 @@ pub fn run(
         executor.free(SeqId(seq));
     }
     let prefill_ms = median(&mut prefill_times);
+    let b1_ms = rows.iter().find(|r| r.batch == 1).map(|r| r.step_ms_median);
+    let bound = match (executor.weight_bytes_per_step(), b1_ms) {
+        (Some(bytes), Some(b1_ms)) => {
+            let gb_per_s = bandwidth::read_gb_per_s(bandwidth::PROBE_BYTES, threads);
+            Some(Bound::new(gb_per_s, threads, bytes, b1_ms))
+        }
+        _ => None,
+    };
     Ok(EngineBenchReport {
         model: executor.name().to_string(),
         threads,
@@ -207,6 +219,7 @@ pub fn run(
             ms_median: prefill_ms,
             tokens_per_s: settings.prefill_tokens as f64 * 1e3 / prefill_ms,
         },
+        bound,
     })
 }
 
@@ -230,6 +243,18 @@ impl EngineBenchReport {
             self.prefill.ms_median,
             self.prefill.tokens_per_s
         );
+        if let Some(b) = &self.bound {
+            out += &format!(
+                "bound: {:.1} MB of weight matrices per step / {:.1} GB/s read bandwidth ({} \
+                 thread(s), best of 5 passes over 1 GiB) = {:.2} ms; the B = 1 step runs at \
+                 {:.0} % of it\n",
+                b.weight_bytes as f64 / 1e6,
+                b.read_gb_per_s,
+                b.probe_threads,
+                b.bound_ms,
+                100.0 * b.fraction_of_bound
+            );
+        }
         out
     }
 }

@@ -2,6 +2,7 @@
 //! Long sweeps live here, not in `cargo test`.
 
 pub mod answers;
+pub mod bandwidth;
 pub mod engine;
 pub mod load;
 pub mod pair;

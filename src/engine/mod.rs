@@ -66,6 +66,12 @@ pub trait StepExecutor: Send {
     fn context_length(&self) -> usize;
     /// One forward pass over all sequences of `work`; on error no sequence has changed.
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>>;
+    /// Bytes of weights one decode step reads from host memory (`bench engine`'s bandwidth
+    /// bound); `None` where the weights live elsewhere or are simulated.
+    fn weight_bytes_per_step(&self) -> Option<u64> {
+        None
+    }
+
     /// The per-sequence KV bookkeeping every backend keeps.
     fn kv(&self) -> &kv::KvStore;
     fn kv_mut(&mut self) -> &mut kv::KvStore;
@@ -296,6 +302,10 @@ impl StepExecutor for Executor {
     fn copy_block(&mut self, copy: BlockCopy) -> EngineResult<()> {
         self.data.copy(copy);
         Ok(())
+    }
+
+    fn weight_bytes_per_step(&self) -> Option<u64> {
+        Some(self.model.weights.matrix_bytes())
     }
 
     fn kv(&self) -> &kv::KvStore {

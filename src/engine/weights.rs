@@ -9,7 +9,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -79,6 +79,20 @@ pub struct ModelWeights {
     pub lm_head: QWeight,
     /// Per-frequency divisors (Llama 3.1 rope scaling); `None` for plain rope.
     pub rope_freq_divisors: Option<Vec<f32>>,
+}
+
+impl ModelWeights {
+    /// Bytes of every matrix a decode step reads: each layer's and the output head (the
+    /// embedding is only looked up, a row per token).
+    pub fn matrix_bytes(&self) -> u64 {
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(|w| w.stored_bytes())
+            .sum();
+        (layers + self.lm_head.stored_bytes()) as u64
+    }
 }
 
 /// What a model entry points at, resolved from the file system.
@@ -433,6 +447,7 @@ fn assemble(
         store,
         path,
         precision: config.weights,
+        formats: BTreeMap::new(),
     };
     let q_dim = hp.heads * hp.head_dim;
     let kv_dim = hp.kv_heads * hp.head_dim;
@@ -478,6 +493,12 @@ fn assemble(
         progress.inc(1);
     }
     progress.finish_and_clear();
+    let formats: Vec<String> = loader
+        .formats
+        .iter()
+        .map(|(dtype, n)| format!("{n} {dtype}"))
+        .collect();
+    tracing::info!(model = %config.name, "matrices: {}", formats.join(", "));
     Ok(ModelWeights {
         hp,
         embedding,
@@ -493,6 +514,8 @@ struct Loader<'a> {
     store: &'a mut dyn TensorStore,
     path: &'a Path,
     precision: WeightPrecision,
+    /// Matrices loaded per format (a requantization may fall back: see `QWeight::requantize`).
+    formats: BTreeMap<String, usize>,
 }
 
 impl Loader<'_> {
@@ -507,7 +530,12 @@ impl Loader<'_> {
 
     fn matrix(&mut self, name: &str, t: QTensor, shape: &[usize]) -> EngineResult<QWeight> {
         check_shape(name, t.shape().dims(), shape)?;
-        QWeight::from_qtensor(name, &t)?.requantize(name, self.precision)
+        let weight = QWeight::from_qtensor(name, &t)?.requantize(name, self.precision)?;
+        *self
+            .formats
+            .entry(format!("{:?}", weight.dtype()))
+            .or_default() += 1;
+        Ok(weight)
     }
 
     fn weight(&mut self, name: &str, n_out: usize, k_in: usize) -> EngineResult<QWeight> {

@@ -380,6 +380,37 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> PathBuf {
     path.to_path_buf()
 }
 
+/// A copy of the GGUF file `from` at `to` with every matrix whose rows `dtype`'s blocks divide
+/// requantized to `dtype` (the rest, and the vectors, as stored).
+pub fn requantized_gguf(from: &Path, to: &Path, dtype: GgmlDType) -> PathBuf {
+    let mut file = std::fs::File::open(from).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(&str, QTensor)> = names
+        .into_iter()
+        .map(|name| {
+            let stored = content.tensor(&mut file, name, &Device::Cpu).unwrap();
+            let dims = stored.shape().dims().to_vec();
+            let tensor = if dims.len() == 2 && dims[1].is_multiple_of(dtype.block_size()) {
+                QTensor::quantize(&stored.dequantize(&Device::Cpu).unwrap(), dtype).unwrap()
+            } else {
+                stored
+            };
+            (name.as_str(), tensor)
+        })
+        .collect();
+    let md: Vec<(&str, &Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (*k, v)).collect();
+    let mut out = std::fs::File::create(to).unwrap();
+    gguf_file::write(&mut out, &md, &ts).unwrap();
+    to.to_path_buf()
+}
+
 /// A model entry for a tiny checkpoint.
 pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig {
     tokenrouter::config::ModelConfig {

@@ -94,6 +94,7 @@ kernels! {
     quantize_q8 in "quant.cu",
     qmatmul_q8_0 in "quant.cu",
     qmatmul_q4 in "quant.cu",
+    qmatmul_q5 in "quant.cu",
     logit_stats in "sampling.cu",
     top_k in "sampling.cu",
 }

@@ -1,7 +1,8 @@
-//! Weight matrices on the GPU. Q8_0 / Q4_0 / Q4_1 stay in their blocks (the CPU path's
-//! repacking: quants per output column, f32 scales and offsets beside them) and run through
-//! the integer-dot kernels on 8-bit activations, as on the CPU; every other format is
-//! dequantized to f32 at load and multiplied by cuBLAS.
+//! Weight matrices on the GPU. The CPU's integer-kernel formats (Q8_0, Q4_0, Q4_1, Q5_0,
+//! Q5_1, Q4_K, Q5_K) stay in blocks of 32 (the CPU path's repacking: quants per output
+//! column, f32 scales and offsets beside them; a K-quant block's are d · sc and −dmin · m)
+//! and run through the integer-dot kernels on 8-bit activations, as on the CPU; every other
+//! format is dequantized to f32 at load and multiplied by cuBLAS.
 
 use super::gpu_error;
 use super::launch::Gpu;
@@ -18,8 +19,10 @@ enum Weights {
         quants: CudaSlice<i8>,
         scales: CudaSlice<f32>,
     },
+    /// The nibble formats; Q5_0, Q5_1 and Q5_K with their fifth bits (`high`).
     Q4 {
         quants: CudaSlice<u8>,
+        high: Option<CudaSlice<u32>>,
         scales: CudaSlice<f32>,
         offsets: CudaSlice<f32>,
     },
@@ -43,7 +46,11 @@ struct QuantizedActivations {
 
 impl DeviceMatrix {
     pub fn upload(gpu: &Gpu, weight: &QWeight) -> EngineResult<Self> {
-        let weights = match weight.packed_int8() {
+        // Q6_K's half-block scales have no GPU kernel yet: dense like the other formats.
+        let integer = weight
+            .packed_int8()
+            .filter(|p| !p.format().has_split_scales());
+        let weights = match integer {
             Some(packed) => {
                 let (scales, offsets) = packed.scales_and_offsets();
                 let scales = gpu.upload(&scales)?;
@@ -56,8 +63,12 @@ impl DeviceMatrix {
                             scales,
                         }
                     }
-                    Int8Format::Q4_0 | Int8Format::Q4_1 => Weights::Q4 {
+                    format => Weights::Q4 {
                         quants: gpu.upload(&packed.block_quants())?,
+                        high: match format.has_high_bits() {
+                            true => Some(gpu.upload(&packed.block_high_bits())?),
+                            false => None,
+                        },
                         scales,
                         offsets: gpu.upload(&offsets)?,
                     },
@@ -138,14 +149,25 @@ impl DeviceMatrix {
             (
                 Weights::Q4 {
                     quants,
+                    high,
                     scales,
                     offsets,
                 },
                 Some(x),
             ) => {
-                let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q4);
+                let mut launch = match high {
+                    Some(high) => {
+                        let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q5);
+                        launch.arg(quants).arg(high);
+                        launch
+                    }
+                    None => {
+                        let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q4);
+                        launch.arg(quants);
+                        launch
+                    }
+                };
                 launch
-                    .arg(quants)
                     .arg(scales)
                     .arg(offsets)
                     .arg(&x.quants)
@@ -154,7 +176,8 @@ impl DeviceMatrix {
                     .arg(&mut out)
                     .arg(&n_out)
                     .arg(&blocks);
-                // SAFETY: quants hold n_out · k_in / 2 bytes, x holds rows · k_in quants.
+                // SAFETY: quants hold n_out · k_in / 2 bytes (and high one u32 per block), x
+                // holds rows · k_in quants.
                 unsafe { launch.launch(config) }.map_err(gpu_error)?;
             }
             (Weights::Dense(w), _) => {

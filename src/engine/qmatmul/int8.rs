@@ -1,4 +1,6 @@
-//! Integer-dot kernels for Q8_0, Q4_0 and Q4_1 weights against 8-bit activation rows. Each
+//! Integer-dot kernels for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights against
+//! 8-bit activation rows (a K-quant superblock of 256 is 8 blocks of 32 with their own
+//! scales; Q6_K's blocks have one per 16 elements). Each
 //! weight block is decoded once per step and applied to a tile of rows, so a step over B rows
 //! reads the weights once rather than B times. Every row keeps its own accumulators and the
 //! same operation sequence whatever its tile, so results never depend on batch-mates.
@@ -18,6 +20,18 @@ pub enum Int8Format {
     Q4_0,
     /// weight = d · n + m, n ∈ 0..16.
     Q4_1,
+    /// weight = d · (n − 16), n ∈ 0..32: Q4_0's nibbles plus a plane of fifth bits.
+    Q5_0,
+    /// weight = d · n + m, n ∈ 0..32.
+    Q5_1,
+    /// Superblocks of 256: weight = d · sc · n − dmin · m, n ∈ 0..16, with a 6-bit sc and m
+    /// per block of 32 and f16 d, dmin per superblock.
+    Q4K,
+    /// Q4_K with fifth bits, n ∈ 0..32.
+    Q5K,
+    /// Superblocks of 256: weight = d · sc · q, q ∈ −32..32, with an i8 sc per 16 elements
+    /// and an f16 d per superblock; the quants are kept as signed bytes, like Q8_0's.
+    Q6K,
 }
 
 impl Int8Format {
@@ -26,6 +40,11 @@ impl Int8Format {
             GgmlDType::Q8_0 => Some(Self::Q8_0),
             GgmlDType::Q4_0 => Some(Self::Q4_0),
             GgmlDType::Q4_1 => Some(Self::Q4_1),
+            GgmlDType::Q5_0 => Some(Self::Q5_0),
+            GgmlDType::Q5_1 => Some(Self::Q5_1),
+            GgmlDType::Q4K => Some(Self::Q4K),
+            GgmlDType::Q5K => Some(Self::Q5K),
+            GgmlDType::Q6K => Some(Self::Q6K),
             _ => None,
         }
     }
@@ -35,29 +54,174 @@ impl Int8Format {
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::Q4_0 => GgmlDType::Q4_0,
             Self::Q4_1 => GgmlDType::Q4_1,
+            Self::Q5_0 => GgmlDType::Q5_0,
+            Self::Q5_1 => GgmlDType::Q5_1,
+            Self::Q4K => GgmlDType::Q4K,
+            Self::Q5K => GgmlDType::Q5K,
+            Self::Q6K => GgmlDType::Q6K,
         }
     }
 
-    /// Bytes per block in a GGUF file: f16 scale, Q4_1's f16 minimum, then the quants.
+    /// Bytes per block in a GGUF file (a block of `file_block_elements`).
     pub fn file_block_bytes(self) -> usize {
-        2 + self.min_bytes() + self.quant_bytes()
+        self.dtype().type_size()
     }
 
-    fn min_bytes(self) -> usize {
-        if self == Self::Q4_1 {
-            2
-        } else {
-            0
-        }
+    /// Elements per block in a GGUF file: 32, or 256 for the K-quants' superblocks.
+    pub fn file_block_elements(self) -> usize {
+        self.dtype().block_size()
     }
 
-    /// Quant bytes per block: 32 signed bytes, or 16 bytes of two nibbles (element j in the
-    /// low nibble of byte j, element j + 16 in its high nibble).
+    /// Whether a block's offset is stored (a minimum) rather than a multiple of its scale.
+    pub fn has_min(self) -> bool {
+        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K)
+    }
+
+    /// Whether quants have a fifth bit beside their nibble.
+    pub fn has_high_bits(self) -> bool {
+        matches!(self, Self::Q5_0 | Self::Q5_1 | Self::Q5K)
+    }
+
+    /// Whether scales come per superblock of 8 blocks times a 6-bit factor per block.
+    pub fn has_superblocks(self) -> bool {
+        matches!(self, Self::Q4K | Self::Q5K)
+    }
+
+    /// Whether each half of a block (16 elements) has its own scale.
+    pub fn has_split_scales(self) -> bool {
+        self == Self::Q6K
+    }
+
+    /// Whether quants are signed bytes (the others are unsigned nibbles).
+    pub fn has_signed_bytes(self) -> bool {
+        matches!(self, Self::Q8_0 | Self::Q6K)
+    }
+
+    /// Quant bytes per block as packed: 32 signed bytes, or 16 bytes of two nibbles
+    /// (ggml's order: element j in the low nibble of byte j, element j + 16 in its high
+    /// nibble).
     pub fn quant_bytes(self) -> usize {
         match self {
-            Self::Q8_0 => BLOCK,
-            Self::Q4_0 | Self::Q4_1 => BLOCK / 2,
+            Self::Q8_0 | Self::Q6K => BLOCK,
+            _ => BLOCK / 2,
         }
+    }
+
+    /// Calls `f(sub, quants, header)` for each block of 32 in one file block: its quants
+    /// (Q8_0's as i8 bytes, the others unsigned with their fifth bit) and header.
+    fn decode(self, block: &[u8], mut f: impl FnMut(usize, [u8; BLOCK], Header)) {
+        let half = |i: usize| f16::from_le_bytes([block[i], block[i + 1]]);
+        let nibbles = |qs: &[u8], e: usize| {
+            if e < BLOCK / 2 {
+                qs[e] & 0x0F
+            } else {
+                qs[e - BLOCK / 2] >> 4
+            }
+        };
+        let fifth =
+            |qh: &[u8], e: usize| (u32::from_le_bytes(qh.try_into().unwrap()) >> e & 1) as u8;
+        match self {
+            Self::Q8_0 => f(0, block[2..34].try_into().unwrap(), Header::block(half(0))),
+            Self::Q4_0 => f(
+                0,
+                std::array::from_fn(|e| nibbles(&block[2..], e)),
+                Header::block(half(0)),
+            ),
+            Self::Q4_1 => f(
+                0,
+                std::array::from_fn(|e| nibbles(&block[4..], e)),
+                Header::with_min(half(0), half(2)),
+            ),
+            Self::Q5_0 => f(
+                0,
+                std::array::from_fn(|e| nibbles(&block[6..], e) | fifth(&block[2..6], e) << 4),
+                Header::block(half(0)),
+            ),
+            Self::Q5_1 => f(
+                0,
+                std::array::from_fn(|e| nibbles(&block[8..], e) | fifth(&block[4..8], e) << 4),
+                Header::with_min(half(0), half(2)),
+            ),
+            Self::Q4K | Self::Q5K => {
+                // d, dmin, 12 bytes of 6-bit scales and minimums, Q5_K's 32 bytes of fifth
+                // bits (bit 2p / 2p + 1 of byte l for element l of block 2p / 2p + 1), then
+                // the nibbles: byte 32p + l holds element l of blocks 2p (low) and 2p + 1.
+                let scales = &block[4..16];
+                let (qh, qs) = match self {
+                    Self::Q5K => (&block[16..48], &block[48..]),
+                    _ => (&block[16..16], &block[16..]),
+                };
+                for sub in 0..8 {
+                    let (sc, m) = if sub < 4 {
+                        (scales[sub] & 63, scales[sub + 4] & 63)
+                    } else {
+                        (
+                            scales[sub + 4] & 0x0F | (scales[sub - 4] >> 6) << 4,
+                            scales[sub + 4] >> 4 | (scales[sub] >> 6) << 4,
+                        )
+                    };
+                    let quants = std::array::from_fn(|e| {
+                        let packed = qs[32 * (sub / 2) + e];
+                        let nibble = if sub % 2 == 0 {
+                            packed & 0x0F
+                        } else {
+                            packed >> 4
+                        };
+                        let high = qh.get(e).map_or(0, |h| h >> sub & 1);
+                        nibble | high << 4
+                    });
+                    f(sub, quants, Header::sub(sc, m, half(0), half(2)));
+                }
+            }
+            Self::Q6K => {
+                // ql (128 bytes), qh (64), 16 i8 scales, d. Per half of 128 elements, byte l
+                // of its 64 ql bytes and 32 qh bytes holds elements l, l + 32 (ql's low
+                // nibbles; qh bits 0-1, 2-3), l + 64, l + 96 (high nibbles; bits 4-5, 6-7).
+                let (ql, qh, scales) = (&block[..128], &block[128..192], &block[192..208]);
+                let d = half(208);
+                for sub in 0..8 {
+                    let quants = std::array::from_fn(|e| {
+                        let element = 32 * sub + e;
+                        let (part, l) = (element / 128, element % 32);
+                        let quarter = element % 128 / 32;
+                        let low = ql[64 * part + 32 * (quarter % 2) + l];
+                        let nibble = if quarter < 2 { low & 0x0F } else { low >> 4 };
+                        let high = qh[32 * part + l] >> (2 * quarter) & 3;
+                        ((nibble | high << 4) as i8 - 32) as u8
+                    });
+                    let (first, second) = (scales[2 * sub] as i8, scales[2 * sub + 1] as i8);
+                    f(sub, quants, Header::Split { first, second, d });
+                }
+            }
+        }
+    }
+}
+
+/// One block's header as a file stores it.
+#[derive(Clone, Copy)]
+enum Header {
+    /// An f16 scale and (Q4_1, Q5_1) minimum.
+    Block { scale: f16, min: f16 },
+    /// A K-quant block: its 6-bit factors and its superblock's.
+    Sub { sc: u8, m: u8, d: f16, dmin: f16 },
+    /// A Q6_K block: the factors of its two halves and its superblock's.
+    Split { first: i8, second: i8, d: f16 },
+}
+
+impl Header {
+    fn block(scale: f16) -> Self {
+        Self::Block {
+            scale,
+            min: f16::ZERO,
+        }
+    }
+
+    fn with_min(scale: f16, min: f16) -> Self {
+        Self::Block { scale, min }
+    }
+
+    fn sub(sc: u8, m: u8, d: f16, dmin: f16) -> Self {
+        Self::Sub { sc, m, d, dmin }
     }
 }
 
@@ -66,77 +230,149 @@ impl Int8Format {
 #[repr(C, align(32))]
 struct Aligned([u8; 32]);
 
+/// Block scales and offsets (weight = scale · q + offset), `[n_out, stored_blocks]` plus
+/// `HEADER_PADDING` values, so a column's headers convert to f32 in a few vector
+/// instructions.
+enum Headers {
+    /// f16 per block: the scale and, where the format stores one, the minimum (the offset).
+    Half { scales: Vec<f16>, mins: Vec<f16> },
+    /// K-quants: 6-bit factors per block, f16 ones per superblock of 8 blocks
+    /// (`[n_out, stored_blocks / 8]`): scale = d · sc, offset = −dmin · m, both exact in f32.
+    Super {
+        sc: Vec<u8>,
+        m: Vec<u8>,
+        d: Vec<f16>,
+        dmin: Vec<f16>,
+    },
+    /// Q6_K: an i8 factor per half block (`halves[h]` for elements 16h..16h + 16, stored
+    /// as bytes), an f16 d per superblock: scale = d · sc, no offset.
+    Split { halves: [Vec<u8>; 2], d: Vec<f16> },
+}
+
 /// A `[n_out, k_in]` matrix repacked from ggml's interleaved blocks into separate arrays:
-/// each output column's quants in the grouped layout of `layout` (Q4 nibbles paired so one
-/// load unpacks two vectors), scales (and Q4_1 minimums) contiguous beside them, so a
-/// column's headers convert to f32 in a few vector instructions. Columns with an odd block
-/// count get a zero block (scale 0), so every group is whole.
+/// each output column's quants in the grouped layout of `layout` (nibbles paired so one load
+/// unpacks two vectors), headers contiguous beside them; fifth bits in a plane of their own,
+/// one bit per grouped-layout position (bit `p % 8` of byte `p / 8` of the group's
+/// `4 · blocks` bytes), so a vector's 64 bits are one mask. Columns with an odd block count
+/// get a zero block (scale 0), so every group is whole.
 pub struct PackedInt8 {
     format: Int8Format,
     blocks_per_row: usize,
     groups: Vec<Group>,
     quants: Vec<Aligned>,
-    /// `[n_out, stored_blocks]`.
-    scales: Vec<f16>,
-    /// Q4_1's per-block minimums, like `scales`; empty for the other formats.
-    mins: Vec<f16>,
+    headers: Headers,
+    /// Fifth bits, `stored_blocks · 4` bytes per column; empty for the formats without.
+    high: Vec<u8>,
 }
 
 impl PackedInt8 {
-    /// `bytes` holds `n_out · blocks_per_row` blocks in ggml's layout.
+    /// `bytes` holds the `[n_out, k_in]` matrix's file blocks in ggml's layout; a row has
+    /// `blocks_per_row` blocks of 32.
     pub fn from_ggml(format: Int8Format, bytes: &[u8], blocks_per_row: usize) -> Self {
-        let columns = bytes.len() / format.file_block_bytes() / blocks_per_row.max(1);
+        let subs = format.file_block_elements() / BLOCK;
+        let file_blocks_per_row = (blocks_per_row / subs).max(1);
+        let columns = bytes.len() / format.file_block_bytes() / file_blocks_per_row;
         let stored = stored_blocks(blocks_per_row);
         let groups = groups(blocks_per_row);
         let quant_bytes = format.quant_bytes();
         let column_bytes = stored * quant_bytes;
         let mut quants = vec![Aligned([0; 32]); (columns * column_bytes).div_ceil(32)];
         let flat = bytes_mut(&mut quants);
-        let headers = columns * stored + HEADER_PADDING;
-        let min_count = if format == Int8Format::Q4_1 {
-            headers
-        } else {
-            0
-        };
-        let (mut scales, mut mins) = (vec![f16::ZERO; headers], vec![f16::ZERO; min_count]);
-        for (b, block) in bytes.chunks_exact(format.file_block_bytes()).enumerate() {
-            let (col, block_index) = (b / blocks_per_row, b % blocks_per_row);
-            let half = |i: usize| f16::from_le_bytes([block[i], block[i + 1]]);
-            scales[col * stored + block_index] = half(0);
-            if format == Int8Format::Q4_1 {
-                mins[col * stored + block_index] = half(2);
+        let count = columns * stored + HEADER_PADDING;
+        let supers = columns * stored / 8 + HEADER_PADDING;
+        let mut headers = if format.has_split_scales() {
+            Headers::Split {
+                halves: [vec![0; count], vec![0; count]],
+                d: vec![f16::ZERO; supers],
             }
-            let group = group_of(&groups, block_index);
-            let column = &mut flat[col * column_bytes..(col + 1) * column_bytes];
-            let group_bytes = &mut column[group.first_block * quant_bytes..];
-            let quants = &block[2 + format.min_bytes()..];
-            // Four consecutive elements sit at four consecutive positions.
-            for element in (0..BLOCK).step_by(4) {
-                let first = group.position(block_index - group.first_block, element);
-                for (e, position) in (element..element + 4).zip(first..) {
-                    match format {
-                        Int8Format::Q8_0 => group_bytes[position] = quants[e],
-                        Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                            let packed = quants[e % (BLOCK / 2)];
-                            let nibble = if e < BLOCK / 2 {
-                                packed & 0x0F
-                            } else {
-                                packed >> 4
-                            };
-                            let (byte, high) = group.nibble_slot(position);
-                            group_bytes[byte] |= if high { nibble << 4 } else { nibble };
+        } else if format.has_superblocks() {
+            Headers::Super {
+                sc: vec![0; count],
+                m: vec![0; count],
+                d: vec![f16::ZERO; supers],
+                dmin: vec![f16::ZERO; supers],
+            }
+        } else {
+            let mins = if format.has_min() { count } else { 0 };
+            Headers::Half {
+                scales: vec![f16::ZERO; count],
+                mins: vec![f16::ZERO; mins],
+            }
+        };
+        let high_bytes = stored * BLOCK / 8;
+        let mut high = vec![
+            0u8;
+            if format.has_high_bits() {
+                columns * high_bytes
+            } else {
+                0
+            }
+        ];
+        for (fb, block) in bytes.chunks_exact(format.file_block_bytes()).enumerate() {
+            format.decode(block, |sub, q, header| {
+                let b = fb * subs + sub;
+                let (col, block_index) = (b / blocks_per_row, b % blocks_per_row);
+                let at = col * stored + block_index;
+                match (&mut headers, header) {
+                    (Headers::Half { scales, mins }, Header::Block { scale, min }) => {
+                        scales[at] = scale;
+                        if let Some(slot) = mins.get_mut(at) {
+                            *slot = min;
+                        }
+                    }
+                    (
+                        Headers::Super { sc, m, d, dmin },
+                        Header::Sub {
+                            sc: s,
+                            m: n,
+                            d: e,
+                            dmin: f,
+                        },
+                    ) => {
+                        (sc[at], m[at], d[at / 8], dmin[at / 8]) = (s, n, e, f);
+                    }
+                    (
+                        Headers::Split { halves, d },
+                        Header::Split {
+                            first,
+                            second,
+                            d: e,
+                        },
+                    ) => {
+                        (halves[0][at], halves[1][at], d[at / 8]) = (first as u8, second as u8, e);
+                    }
+                    _ => unreachable!("a format decodes to its own header kind"),
+                }
+                let group = group_of(&groups, block_index);
+                let column = &mut flat[col * column_bytes..(col + 1) * column_bytes];
+                let group_bytes = &mut column[group.first_block * quant_bytes..];
+                // Four consecutive elements sit at four consecutive positions.
+                for element in (0..BLOCK).step_by(4) {
+                    let first = group.position(block_index - group.first_block, element);
+                    for (e, position) in (element..element + 4).zip(first..) {
+                        if format.has_signed_bytes() {
+                            group_bytes[position] = q[e];
+                            continue;
+                        }
+                        let (byte, high_nibble) = group.nibble_slot(position);
+                        let nibble = q[e] & 0x0F;
+                        group_bytes[byte] |= if high_nibble { nibble << 4 } else { nibble };
+                        if q[e] >> 4 & 1 == 1 {
+                            let at =
+                                col * high_bytes + group.first_block * BLOCK / 8 + position / 8;
+                            high[at] |= 1 << (position % 8);
                         }
                     }
                 }
-            }
+            });
         }
         Self {
             format,
             blocks_per_row,
             groups,
             quants,
-            scales,
-            mins,
+            headers,
+            high,
         }
     }
 
@@ -144,24 +380,59 @@ impl PackedInt8 {
         self.format
     }
 
+    /// Bytes of quants, headers and fifth bits (what a pass over every column reads).
+    pub fn stored_bytes(&self) -> usize {
+        let headers = match &self.headers {
+            Headers::Half { scales, mins } => (scales.len() + mins.len()) * 2,
+            Headers::Super { sc, m, d, dmin } => sc.len() + m.len() + (d.len() + dmin.len()) * 2,
+            Headers::Split { halves, d } => halves[0].len() * 2 + d.len() * 2,
+        };
+        self.quants.len() * 32 + headers + self.high.len()
+    }
+
     pub fn columns(&self) -> usize {
-        (self.scales.len() - HEADER_PADDING) / stored_blocks(self.blocks_per_row).max(1)
+        let count = match &self.headers {
+            Headers::Half { scales, .. } => scales.len(),
+            Headers::Super { sc, .. } => sc.len(),
+            Headers::Split { halves, .. } => halves[0].len(),
+        };
+        (count - HEADER_PADDING) / stored_blocks(self.blocks_per_row).max(1)
     }
 
     /// Output column `col` as the kernels read it.
     pub fn column(&self, col: usize) -> Column<'_> {
         let stored = stored_blocks(self.blocks_per_row);
         let len = stored * self.format.quant_bytes();
+        let high_len = stored * BLOCK / 8;
+        let at = col * stored;
         Column {
             format: self.format,
             quants: &bytes(&self.quants)[col * len..(col + 1) * len],
-            scales: &self.scales[col * stored..],
-            mins: self.mins.get(col * stored..).unwrap_or(&[]),
+            headers: match &self.headers {
+                Headers::Half { scales, mins } => ColumnHeaders::Half {
+                    scales: &scales[at..],
+                    mins: mins.get(at..).unwrap_or(&[]),
+                },
+                Headers::Super { sc, m, d, dmin } => ColumnHeaders::Super {
+                    sc: &sc[at..],
+                    m: &m[at..],
+                    d: &d[at / 8..],
+                    dmin: &dmin[at / 8..],
+                },
+                Headers::Split { halves, d } => ColumnHeaders::Split {
+                    halves: [&halves[0][at..], &halves[1][at..]],
+                    d: &d[at / 8..],
+                },
+            },
+            high: self
+                .high
+                .get(col * high_len..(col + 1) * high_len)
+                .unwrap_or(&[]),
         }
     }
 
     /// Calls `f(col, block, quants)` for every block in order, with its 32 quants unpacked
-    /// (signed bytes for Q8_0, nibbles for Q4).
+    /// (signed bytes for Q8_0, nibbles with their fifth bit for the others).
     fn for_each_block(&self, mut f: impl FnMut(usize, usize, [i32; BLOCK])) {
         for col in 0..self.columns() {
             let column = self.column(col);
@@ -177,28 +448,45 @@ impl PackedInt8 {
         }
     }
 
-    /// Every block's quant bytes in ggml's order (Q4: element j in the low nibble of byte j,
-    /// element j + 16 in its high nibble), column after column: `[n_out, blocks_per_row,
-    /// quant_bytes]`.
+    /// Every block's quant bytes in ggml's order for blocks of 32 (nibble formats: element
+    /// j's low four bits in the low nibble of byte j, element j + 16's in its high nibble),
+    /// column after column: `[n_out, blocks_per_row, quant_bytes]`.
     pub fn block_quants(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.columns() * self.blocks_per_row * BLOCK);
-        self.for_each_block(|_, _, q| match self.format {
-            Int8Format::Q8_0 => out.extend(q.map(|v| v as u8)),
-            Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                out.extend((0..BLOCK / 2).map(|e| (q[e] | q[e + BLOCK / 2] << 4) as u8))
-            }
+        self.for_each_block(|_, _, q| match self.format.has_signed_bytes() {
+            true => out.extend(q.map(|v| v as u8)),
+            false => out.extend(
+                (0..BLOCK / 2).map(|e| (q[e] & 0x0F | (q[e + BLOCK / 2] & 0x0F) << 4) as u8),
+            ),
         });
         out
     }
 
+    /// Fifth bits in the order of ggml's blocks of 32 (bit j of a block's u32 for element
+    /// j), `[n_out, blocks_per_row]`; empty for the formats without.
+    pub fn block_high_bits(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        if self.format.has_high_bits() {
+            self.for_each_block(|_, _, q| {
+                out.push((0..BLOCK).map(|e| ((q[e] >> 4) as u32 & 1) << e).sum())
+            });
+        }
+        out
+    }
+
     /// Every block's scale and offset as f32, `[n_out, blocks_per_row]` each (weight =
-    /// scale · q + offset; offsets are zero for Q8_0).
+    /// scale · q + offset; offsets are zero for Q8_0); Q6_K's blocks have two scales, so it
+    /// has none to give.
     pub fn scales_and_offsets(&self) -> (Vec<f32>, Vec<f32>) {
+        assert!(
+            !self.format.has_split_scales(),
+            "Q6_K has a scale per half block"
+        );
         let (mut scales, mut offsets) = (Vec::new(), Vec::new());
         for col in 0..self.columns() {
             let column = self.column(col);
             for block in 0..self.blocks_per_row {
-                scales.push(column.scales[block].to_f32());
+                scales.push(column.scale(block));
                 offsets.push(column.offset(block));
             }
         }
@@ -207,18 +495,18 @@ impl PackedInt8 {
 
     /// The weights as f32, row-major `[n_out, k_in]`.
     pub fn dequantize(&self) -> Vec<f32> {
-        let (scales, offsets) = self.scales_and_offsets();
-        let mut out = Vec::with_capacity(scales.len() * BLOCK);
+        let mut out = Vec::with_capacity(self.columns() * self.blocks_per_row * BLOCK);
         self.for_each_block(|col, block, q| {
-            let b = col * self.blocks_per_row + block;
-            out.extend(q.map(|v| scales[b] * v as f32 + offsets[b]));
+            let column = self.column(col);
+            let offset = column.offset(block);
+            out.extend((0..BLOCK).map(|e| column.element_scale(block, e) * q[e] as f32 + offset));
         });
         out
     }
 }
 
-/// Header values (scales, minimums) past the last column, so kernels may read a whole
-/// register of them from any group.
+/// Header values past the last column, so kernels may read a whole register of them (16
+/// block values, or 16 superblock values) from any group.
 const HEADER_PADDING: usize = 16;
 
 /// The group that holds block `block`.
@@ -229,38 +517,79 @@ fn group_of(groups: &[Group], block: usize) -> Group {
         .expect("the block lies inside the row")
 }
 
+/// One column's headers from its first block on; at least `HEADER_PADDING` values past its
+/// last block (or superblock) are readable (the next column's, or zeros).
+#[derive(Clone, Copy)]
+pub enum ColumnHeaders<'a> {
+    Half {
+        scales: &'a [f16],
+        /// Empty for the formats whose offset is a multiple of the scale.
+        mins: &'a [f16],
+    },
+    Super {
+        sc: &'a [u8],
+        m: &'a [u8],
+        d: &'a [f16],
+        dmin: &'a [f16],
+    },
+    /// Q6_K: i8 factors (as bytes) of each block's first and second half.
+    Split { halves: [&'a [u8]; 2], d: &'a [f16] },
+}
+
 /// One output column: what every kernel reads.
 pub struct Column<'a> {
     pub format: Int8Format,
-    /// Quant bytes in the grouped layout (Q8_0 signed, Q4 nibbles).
+    /// Quant bytes in the grouped layout (Q8_0 signed, the others nibbles).
     pub quants: &'a [u8],
-    /// Block scales from the column's first block on; at least `HEADER_PADDING` values past
-    /// its last block are readable (the next column's, or zeros).
-    pub scales: &'a [f16],
-    /// Q4_1's block minimums, readable like `scales`; empty for the other formats.
-    pub mins: &'a [f16],
+    pub headers: ColumnHeaders<'a>,
+    /// Fifth bits (see `PackedInt8`), `stored_blocks · 4` bytes; empty for formats without.
+    pub high: &'a [u8],
 }
 
 impl Column<'_> {
+    /// Block `block`'s scale: weight = scale · q + offset (the first half's for Q6_K).
+    pub fn scale(&self, block: usize) -> f32 {
+        self.element_scale(block, 0)
+    }
+
+    /// The scale of element `element` of block `block`.
+    pub fn element_scale(&self, block: usize, element: usize) -> f32 {
+        match self.headers {
+            ColumnHeaders::Half { scales, .. } => scales[block].to_f32(),
+            ColumnHeaders::Super { sc, d, .. } => d[block / 8].to_f32() * sc[block] as f32,
+            ColumnHeaders::Split { halves, d } => {
+                d[block / 8].to_f32() * halves[element / (BLOCK / 2)][block] as i8 as f32
+            }
+        }
+    }
+
     /// Block `block`'s offset: weight = scale · q + offset.
     pub fn offset(&self, block: usize) -> f32 {
-        match self.format {
-            Int8Format::Q8_0 => 0.0,
-            Int8Format::Q4_0 => -8.0 * self.scales[block].to_f32(),
-            Int8Format::Q4_1 => self.mins[block].to_f32(),
+        match (self.format, self.headers) {
+            (Int8Format::Q8_0 | Int8Format::Q6K, _) => 0.0,
+            (Int8Format::Q4_0, _) => -8.0 * self.scale(block),
+            (Int8Format::Q5_0, _) => -16.0 * self.scale(block),
+            (_, ColumnHeaders::Half { mins, .. }) => mins[block].to_f32(),
+            (_, ColumnHeaders::Super { m, dmin, .. }) => {
+                -(dmin[block / 8].to_f32() * m[block] as f32)
+            }
+            (_, ColumnHeaders::Split { .. }) => 0.0,
         }
     }
 
     /// The quant at `position` of group `group`'s unpacked bytes.
     fn quant(&self, group: Group, position: usize) -> i32 {
-        match self.format {
-            Int8Format::Q8_0 => self.quants[group.first_block * BLOCK + position] as i8 as i32,
-            Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                let (byte, high) = group.nibble_slot(position);
-                let packed = self.quants[group.first_block * BLOCK / 2 + byte];
-                (if high { packed >> 4 } else { packed & 0x0F }) as i32
-            }
+        if self.format.has_signed_bytes() {
+            return self.quants[group.first_block * BLOCK + position] as i8 as i32;
         }
+        let (byte, high) = group.nibble_slot(position);
+        let packed = self.quants[group.first_block * BLOCK / 2 + byte];
+        let nibble = if high { packed >> 4 } else { packed & 0x0F };
+        let fifth = match self.format.has_high_bits() {
+            true => self.high[group.first_block * BLOCK / 8 + position / 8] >> (position % 8) & 1,
+            false => 0,
+        };
+        (nibble | fifth << 4) as i32
     }
 }
 
@@ -437,15 +766,27 @@ fn dot_portable(column: &Column, x: &QuantizedRows, row: usize) -> f32 {
     let mut acc = 0f32;
     for &group in x.groups() {
         for j in 0..group.blocks {
+            let b = group.first_block + j;
+            let scale_x = x.scale(row, b);
+            if column.format.has_split_scales() {
+                for half in 0..2 {
+                    let dot: i32 = (half * BLOCK / 2..(half + 1) * BLOCK / 2)
+                        .map(|e| {
+                            let q = x.quant(row, group, j, e) as i32;
+                            column.quant(group, group.position(j, e)) * q
+                        })
+                        .sum();
+                    acc += dot as f32 * (column.element_scale(b, half * BLOCK / 2) * scale_x);
+                }
+                continue;
+            }
             let (mut dot, mut sum) = (0i32, 0i32);
             for e in 0..BLOCK {
                 let q = x.quant(row, group, j, e) as i32;
                 dot += column.quant(group, group.position(j, e)) * q;
                 sum += q;
             }
-            let b = group.first_block + j;
-            let scale_x = x.scale(row, b);
-            acc += dot as f32 * (column.scales[b].to_f32() * scale_x);
+            acc += dot as f32 * (column.scale(b) * scale_x);
             acc += column.offset(b) * (scale_x * sum as f32);
         }
     }

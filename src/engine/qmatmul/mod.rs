@@ -1,6 +1,7 @@
 //! Weight matrices in their stored (often quantized) format and a row-independent batched
-//! matmul over them. Q8_0, Q4_0 and Q4_1 go through our integer kernels (`int8`), which read
-//! each weight block once per step for all rows; other formats use candle's per-row `vec_dot`.
+//! matmul over them. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K go through our
+//! integer kernels (`int8`), which read each weight block once per step for all rows; other
+//! formats use candle's per-row `vec_dot`.
 //! Either way every output element is computed in a fixed order from one activation row and
 //! one weight row, so a row's result never depends on its batch-mates: batched and unbatched
 //! greedy decoding agree exactly. Work is split over output columns (see `engine::parallel`).
@@ -14,9 +15,7 @@ mod simd;
 use super::parallel;
 use crate::config::WeightPrecision;
 use crate::error::{EngineError, EngineResult};
-use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, GgmlType,
-};
+use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 pub use int8::{Int8Format, Kernel, PackedInt8};
@@ -29,7 +28,7 @@ pub struct QWeight {
 }
 
 enum Storage {
-    /// Q8_0, Q4_0, Q4_1: repacked for our integer kernels.
+    /// The `Int8Format`s: repacked for our integer kernels.
     Int8(PackedInt8),
     /// Every other format, as candle's blocks.
     Ggml(Blocks),
@@ -37,13 +36,8 @@ enum Storage {
 
 enum Blocks {
     F32(Vec<f32>),
-    Q5_0(Vec<BlockQ5_0>),
-    Q5_1(Vec<BlockQ5_1>),
     Q2K(Vec<BlockQ2K>),
     Q3K(Vec<BlockQ3K>),
-    Q4K(Vec<BlockQ4K>),
-    Q5K(Vec<BlockQ5K>),
-    Q6K(Vec<BlockQ6K>),
 }
 
 /// Runs `$body` with `$v` bound to the typed block vector, whatever its format.
@@ -51,13 +45,8 @@ macro_rules! with_blocks {
     ($blocks:expr, $v:ident => $body:expr) => {
         match $blocks {
             Blocks::F32($v) => $body,
-            Blocks::Q5_0($v) => $body,
-            Blocks::Q5_1($v) => $body,
             Blocks::Q2K($v) => $body,
             Blocks::Q3K($v) => $body,
-            Blocks::Q4K($v) => $body,
-            Blocks::Q5K($v) => $body,
-            Blocks::Q6K($v) => $body,
         }
     };
 }
@@ -82,7 +71,7 @@ impl QWeight {
             });
         }
         if let Some(format) = Int8Format::of(dtype) {
-            let packed = PackedInt8::from_ggml(format, &data, k_in / block_size);
+            let packed = PackedInt8::from_ggml(format, &data, k_in / layout::BLOCK);
             return Ok(Self {
                 n_out,
                 k_in,
@@ -91,13 +80,8 @@ impl QWeight {
         }
         let blocks = match dtype {
             GgmlDType::F32 => Blocks::F32(typed(&data)),
-            GgmlDType::Q5_0 => Blocks::Q5_0(typed(&data)),
-            GgmlDType::Q5_1 => Blocks::Q5_1(typed(&data)),
             GgmlDType::Q2K => Blocks::Q2K(typed(&data)),
             GgmlDType::Q3K => Blocks::Q3K(typed(&data)),
-            GgmlDType::Q4K => Blocks::Q4K(typed(&data)),
-            GgmlDType::Q5K => Blocks::Q5K(typed(&data)),
-            GgmlDType::Q6K => Blocks::Q6K(typed(&data)),
             other => {
                 return Err(EngineError::UnsupportedDType {
                     tensor: name.to_string(),
@@ -113,14 +97,30 @@ impl QWeight {
     }
 
     /// Converts to the precision a model variant asks for (`stored` keeps the file's format).
+    /// A K-quant target whose 256-input superblocks do not divide the rows falls back as
+    /// llama.cpp's presets do (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0); other targets that do
+    /// not divide them keep the stored format.
     pub fn requantize(self, name: &str, precision: WeightPrecision) -> EngineResult<Self> {
         let target = match precision {
             WeightPrecision::Stored => return Ok(self),
             WeightPrecision::F32 => GgmlDType::F32,
             WeightPrecision::Q8_0 => GgmlDType::Q8_0,
             WeightPrecision::Q4_0 => GgmlDType::Q4_0,
+            WeightPrecision::Q4_1 => GgmlDType::Q4_1,
+            WeightPrecision::Q5_0 => GgmlDType::Q5_0,
+            WeightPrecision::Q5_1 => GgmlDType::Q5_1,
+            WeightPrecision::Q4K => GgmlDType::Q4K,
+            WeightPrecision::Q5K => GgmlDType::Q5K,
+            WeightPrecision::Q6K => GgmlDType::Q6K,
         };
-        if self.dtype() == target || !self.k_in.is_multiple_of(target.block_size()) {
+        let target = match target {
+            _ if self.k_in.is_multiple_of(target.block_size()) => target,
+            GgmlDType::Q4K => GgmlDType::Q5_0,
+            GgmlDType::Q5K => GgmlDType::Q5_1,
+            GgmlDType::Q6K => GgmlDType::Q8_0,
+            _ => return Ok(self),
+        };
+        if self.dtype() == target {
             return Ok(self);
         }
         let dense = candle_core::Tensor::from_vec(
@@ -139,6 +139,14 @@ impl QWeight {
         self.k_in
     }
 
+    /// Bytes a matmul reads of this matrix (quants and block headers).
+    pub fn stored_bytes(&self) -> usize {
+        match &self.storage {
+            Storage::Int8(packed) => packed.stored_bytes(),
+            Storage::Ggml(blocks) => with_blocks!(blocks, v => std::mem::size_of_val(v.as_slice())),
+        }
+    }
+
     pub fn dtype(&self) -> GgmlDType {
         match &self.storage {
             Storage::Int8(packed) => packed.format().dtype(),
@@ -146,7 +154,7 @@ impl QWeight {
         }
     }
 
-    /// The repacked Q8_0 / Q4_0 / Q4_1 blocks; `None` for the other formats.
+    /// The repacked blocks of the integer-kernel formats; `None` for the other formats.
     pub fn packed_int8(&self) -> Option<&PackedInt8> {
         match &self.storage {
             Storage::Int8(packed) => Some(packed),
@@ -313,7 +321,15 @@ mod tests {
     /// row counts that exercise every tile size and the 64-row chunking.
     #[test]
     fn every_kernel_matches_the_dequantized_reference_per_format() {
-        for (k, rows) in [(928, 1), (928, 13), (928, 70), (96, 3), (96, 13)] {
+        for (k, rows) in [
+            (928, 1),
+            (928, 13),
+            (928, 70),
+            (96, 3),
+            (96, 13),
+            (768, 1),
+            (768, 13),
+        ] {
             let n = 37;
             // Activation rounding error grows like √k.
             let scale = (k as f32 / 96.0).sqrt();
@@ -323,7 +339,15 @@ mod tests {
                 (GgmlDType::Q8_0, 0.03 * scale),
                 (GgmlDType::Q4_0, 0.03 * scale),
                 (GgmlDType::Q4_1, 0.03 * scale),
+                (GgmlDType::Q5_0, 0.03 * scale),
+                (GgmlDType::Q5_1, 0.03 * scale),
+                (GgmlDType::Q4K, 0.03 * scale),
+                (GgmlDType::Q5K, 0.03 * scale),
+                (GgmlDType::Q6K, 0.03 * scale),
             ] {
+                if !k.is_multiple_of(dtype.block_size()) {
+                    continue;
+                }
                 let (w, dense) = weight(dtype, n, k);
                 for kernel in Kernel::available() {
                     let got = w.matmul_with(kernel, &x, rows);
@@ -347,9 +371,12 @@ mod tests {
     /// order f32 partial sums are added.
     #[test]
     fn simd_and_portable_kernels_agree_closely() {
-        for (n, k, rows) in [(19, 160, 11), (9, 960, 10)] {
+        for (n, k, rows) in [(19, 160, 11), (9, 960, 10), (7, 768, 12)] {
             let x = random(rows * k, 5);
-            for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
+            for dtype in INT8_FORMATS {
+                if !k.is_multiple_of(dtype.block_size()) {
+                    continue;
+                }
                 let (w, _) = weight(dtype, n, k);
                 let portable = w.matmul_with(Kernel::Portable, &x, rows);
                 for kernel in Kernel::available() {
@@ -362,25 +389,68 @@ mod tests {
         }
     }
 
-    /// The GPU uploads the quants in ggml's block order, rebuilt from the grouped layout.
+    const INT8_FORMATS: [GgmlDType; 8] = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+
+    /// The GPU uploads the quants (and fifth bits) in the order of ggml's blocks of 32,
+    /// rebuilt from the grouped layout (K-quant files hold superblocks: their unpacking is
+    /// checked against candle's dequantization below).
     #[test]
     fn block_quants_are_the_files_quant_bytes() {
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
+        for dtype in INT8_FORMATS.into_iter().filter(|d| d.block_size() == 32) {
             for (n, k) in [(3, 928), (2, 96)] {
                 let dense = Tensor::from_vec(random(n * k, 9), (n, k), &Device::Cpu).unwrap();
                 let q = QTensor::quantize(&dense, dtype).unwrap();
                 let file = q.data().unwrap();
                 let format = Int8Format::of(dtype).unwrap();
                 let header = format.file_block_bytes() - format.quant_bytes();
-                let want: Vec<u8> = file
-                    .chunks_exact(format.file_block_bytes())
+                let blocks = file.chunks_exact(format.file_block_bytes());
+                let want: Vec<u8> = blocks
+                    .clone()
                     .flat_map(|block| block[header..].to_vec())
                     .collect();
                 let w = QWeight::from_qtensor("w", &q).unwrap();
-                assert_eq!(
-                    w.packed_int8().unwrap().block_quants(),
-                    want,
-                    "{dtype:?} k={k}"
+                let packed = w.packed_int8().unwrap();
+                assert_eq!(packed.block_quants(), want, "{dtype:?} k={k}");
+                let want_high: Vec<u32> = match format.has_high_bits() {
+                    true => blocks
+                        .map(|b| u32::from_le_bytes(b[header - 4..header].try_into().unwrap()))
+                        .collect(),
+                    false => Vec::new(),
+                };
+                assert_eq!(packed.block_high_bits(), want_high, "{dtype:?} k={k}");
+            }
+        }
+    }
+
+    /// The repacking keeps every weight: our dequantization is candle's, up to the rounding
+    /// of `scale · q + offset` against candle's `scale · (q − bias)`.
+    #[test]
+    fn repacked_weights_dequantize_like_candle() {
+        for dtype in INT8_FORMATS {
+            let (n, k) = (5, 768);
+            let dense = Tensor::from_vec(random(n * k, 13), (n, k), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&dense, dtype).unwrap();
+            let want: Vec<f32> = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let got = QWeight::from_qtensor("w", &q).unwrap().dequantize();
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                    "{dtype:?} [{i}]: {a} vs {b}"
                 );
             }
         }
@@ -400,6 +470,10 @@ mod tests {
             (GgmlDType::Q4_0, 128),
             (GgmlDType::Q4_1, 128),
             (GgmlDType::Q4_1, 928),
+            (GgmlDType::Q5_0, 928),
+            (GgmlDType::Q5_1, 96),
+            (GgmlDType::Q4K, 256),
+            (GgmlDType::Q5K, 768),
             (GgmlDType::Q6K, 256),
         ] {
             let x = &random(rows * k, 11);
@@ -420,6 +494,21 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn k_quant_targets_fall_back_where_superblocks_do_not_divide_the_rows() {
+        for (precision, k, want) in [
+            (WeightPrecision::Q4K, 512, GgmlDType::Q4K),
+            (WeightPrecision::Q4K, 576, GgmlDType::Q5_0),
+            (WeightPrecision::Q5K, 576, GgmlDType::Q5_1),
+            (WeightPrecision::Q6K, 576, GgmlDType::Q8_0),
+            (WeightPrecision::Q6K, 256, GgmlDType::Q6K),
+        ] {
+            let (w, _) = weight(GgmlDType::F32, 4, k);
+            let q = w.requantize("w", precision).unwrap();
+            assert_eq!(q.dtype(), want, "{precision:?} at k = {k}");
         }
     }
 

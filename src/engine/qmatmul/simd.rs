@@ -4,7 +4,8 @@
 //! per-column, per-row i32 lanes (exact: a lane sums at most 8 vectors · 4 products of
 //! |u8 · i8| ≤ 255 · 128), then per group, column and row one multiply and one multiply-add
 //! apply every block's two scales (one block per lane) and one more multiply-add the block
-//! offsets (weight = scale · q + offset) against the row's lane sums.
+//! offsets (weight = scale · q + offset) against the row's lane sums. Q5 quants are Q4's
+//! nibbles with their fifth bits (one 64-bit mask per vector) added after unpacking.
 //! CPUs with AVX-512 VNNI use 512-bit `vpdpbusd`; AVX2 + FMA runs each vector as two 256-bit
 //! halves with `maddubs` + `madd`. Each row's lanes are reduced in one fixed order, so its
 //! result never depends on its tile's shape.
@@ -13,7 +14,7 @@
 //! the same loops written as iterator zips compiled to 10–15 % slower tiles (B = 8, prefill).
 
 use super::activations::QuantizedRows;
-use super::int8::{Column, Int8Format};
+use super::int8::{Column, ColumnHeaders, Int8Format};
 use super::layout::Group;
 use half::f16;
 use std::arch::x86_64::*;
@@ -42,10 +43,10 @@ fn reduce<const R: usize, const C: usize>(acc: [[__m256; R]; C], out: &mut [f32]
 #[derive(Clone, Copy)]
 enum Offsets {
     None,
-    /// offset = factor · scale (Q4_0: −8; unsigned Q8_0: −128).
+    /// offset = factor · scale (Q4_0: −8; Q5_0: −16; unsigned Q8_0: −128).
     ScaleTimes(f32),
-    /// Stored per block, read like the scales (Q4_1's `Column::mins`).
-    Mins,
+    /// Stored in the headers (a minimum, or the K-quants' −dmin · m).
+    Stored,
 }
 
 impl Offsets {
@@ -53,9 +54,10 @@ impl Offsets {
     fn of(column: &Column, unsigned_q8: bool) -> Self {
         match column.format {
             Int8Format::Q8_0 if unsigned_q8 => Self::ScaleTimes(-128.0),
-            Int8Format::Q8_0 => Self::None,
+            Int8Format::Q8_0 | Int8Format::Q6K => Self::None,
             Int8Format::Q4_0 => Self::ScaleTimes(-8.0),
-            Int8Format::Q4_1 => Self::Mins,
+            Int8Format::Q5_0 => Self::ScaleTimes(-16.0),
+            Int8Format::Q4_1 | Int8Format::Q5_1 | Int8Format::Q4K | Int8Format::Q5K => Self::Stored,
         }
     }
 }
@@ -111,9 +113,32 @@ fn vector_offset(group: Group, vector: usize) -> usize {
     group.first_block * 32 + vector * 64
 }
 
+/// Each column's fifth-bit plane (checked to cover the row when `FIVE`).
+#[inline(always)]
+fn high_bits<const C: usize, const FIVE: bool>(
+    columns: &[Column; C],
+    x: &QuantizedRows,
+) -> [*const u8; C] {
+    columns.each_ref().map(|c| {
+        if FIVE {
+            assert_eq!(c.high.len(), x.stored_blocks() * 4);
+        }
+        c.high.as_ptr()
+    })
+}
+
+/// The fifth bits of `bytes` consecutive positions of group `group`'s vector `vector`, from
+/// byte `from` of its eight (callers stay inside the plane `high_bits` checked).
+#[inline(always)]
+unsafe fn fifth_bits<T: Copy>(high: *const u8, group: Group, vector: usize, from: usize) -> T {
+    high.add(group.first_block * 4 + vector * 8 + from)
+        .cast::<T>()
+        .read_unaligned()
+}
+
 /// An instruction set's `tile`: `out[i · stride + c]` = `columns[c]` · row `first_row + i`,
-/// for `c < C`, `i < R`, by the module's `q8_0_tile` or `q4_tile` (the columns share a
-/// format: they come from one matrix).
+/// for `c < C`, `i < R`, by the module's `q8_0_tile` or `q4_tile` (with fifth bits for Q5;
+/// the columns share a format: they come from one matrix).
 macro_rules! format_dispatch {
     ($features:literal) => {
         #[inline]
@@ -128,7 +153,12 @@ macro_rules! format_dispatch {
             match columns[0].format {
                 Int8Format::Q8_0 => q8_0_tile::<R, C>(columns, x, first_row, out, stride),
                 Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                    q4_tile::<R, C>(columns, x, first_row, out, stride)
+                    q4_tile::<R, C, false>(columns, x, first_row, out, stride)
+                }
+                Int8Format::Q4K => q4_tile::<R, C, false>(columns, x, first_row, out, stride),
+                Int8Format::Q6K => q6k_tile::<R, C>(columns, x, first_row, out, stride),
+                Int8Format::Q5_0 | Int8Format::Q5_1 | Int8Format::Q5K => {
+                    q4_tile::<R, C, true>(columns, x, first_row, out, stride)
                 }
             }
         }
@@ -155,6 +185,133 @@ pub mod avx2 {
         _mm256_permutevar8x32_ps(wide, blocks)
     }
 
+    /// As `lane_values`, for K-quant headers: a block's 6-bit `factors` times its
+    /// superblock's f16 value in `supers` (from the column's first superblock).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn super_lane_values<const SIGNED: bool>(
+        factors: &[u8],
+        supers: &[f16],
+        group: Group,
+        half: usize,
+    ) -> __m256 {
+        let lanes = group.lanes_per_block();
+        let first = group.first_block + 8 * half / lanes;
+        assert!(first + 8 <= factors.len() && first / 8 + 8 <= supers.len());
+        let blocks = _mm256_srlv_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(lanes.trailing_zeros() as i32),
+        );
+        let bytes = _mm_loadl_epi64(factors.as_ptr().add(first).cast());
+        let small = _mm256_cvtepi32_ps(match SIGNED {
+            true => _mm256_cvtepi8_epi32(bytes),
+            false => _mm256_cvtepu8_epi32(bytes),
+        });
+        let wide = _mm256_cvtph_ps(_mm_loadu_si128(supers.as_ptr().add(first / 8).cast()));
+        let of_super = _mm256_srli_epi32(
+            _mm256_add_epi32(blocks, _mm256_set1_epi32((first % 8) as i32)),
+            3,
+        );
+        _mm256_mul_ps(
+            _mm256_permutevar8x32_ps(small, blocks),
+            _mm256_permutevar8x32_ps(wide, of_super),
+        )
+    }
+
+    /// Block scales for the lanes of half `half` of group `group`'s vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_lanes(column: &Column, group: Group, half: usize) -> __m256 {
+        match column.headers {
+            ColumnHeaders::Half { scales, .. } => lane_values(scales, group, half),
+            ColumnHeaders::Super { sc, d, .. } => super_lane_values::<false>(sc, d, group, half),
+            ColumnHeaders::Split { .. } => unreachable!("Q6_K scales go by half block"),
+        }
+    }
+
+    /// Stored block offsets, like `scale_lanes`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn offset_lanes(column: &Column, group: Group, half: usize) -> __m256 {
+        match column.headers {
+            ColumnHeaders::Half { mins, .. } => lane_values(mins, group, half),
+            ColumnHeaders::Super { m, dmin, .. } => _mm256_sub_ps(
+                _mm256_setzero_ps(),
+                super_lane_values::<false>(m, dmin, group, half),
+            ),
+            ColumnHeaders::Split { .. } => unreachable!("Q6_K has no offsets"),
+        }
+    }
+
+    /// Q6_K's scales of block half `part` (elements 16·part..) for the lanes of half `half`
+    /// of group `group`'s vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn split_scale_lanes(column: &Column, group: Group, half: usize, part: usize) -> __m256 {
+        match column.headers {
+            ColumnHeaders::Split { halves, d } => {
+                super_lane_values::<true>(halves[part], d, group, half)
+            }
+            _ => unreachable!("only Q6_K splits its blocks"),
+        }
+    }
+
+    /// Q6_K: signed bytes as Q8_0's, with a group's vectors summed in two sets, the first
+    /// half of its vectors (each block's elements 0..16, in groups of 4 or more blocks) and
+    /// the second, each scaled by its own half-block scales.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // index loops: see the module docs
+    unsafe fn q6k_tile<const R: usize, const C: usize>(
+        columns: &[Column; C],
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let quants = columns.each_ref().map(|c| {
+            assert_eq!(c.quants.len(), x.stored_blocks() * 32);
+            c.quants.as_ptr()
+        });
+        let tile = RowTile::<R>::new(x, first_row);
+        let mut acc = [[_mm256_setzero_ps(); R]; C];
+        for &group in x.groups() {
+            assert!(group.blocks >= 4, "a Q6_K row holds whole superblocks");
+            let split = group.vectors() / 2;
+            for half in 0..2 {
+                let mut dots = [[[_mm256_setzero_si256(); R]; C]; 2];
+                for vector in 0..group.vectors() {
+                    let part = usize::from(vector >= split);
+                    let offset = vector_offset(group, vector) + 32 * half;
+                    let weights = quants.map(|q| _mm256_loadu_si256(q.add(offset).cast()));
+                    let magnitudes = weights.map(|w| _mm256_sign_epi8(w, w));
+                    for r in 0..R {
+                        let row = _mm256_load_si256(tile.quants(r, offset).cast());
+                        for c in 0..C {
+                            let signed = _mm256_sign_epi8(row, weights[c]);
+                            let dot = dot_avx2(magnitudes[c], signed);
+                            dots[part][c][r] = _mm256_add_epi32(dots[part][c][r], dot);
+                        }
+                    }
+                }
+                for part in 0..2 {
+                    let scales = columns
+                        .each_ref()
+                        .map(|c| split_scale_lanes(c, group, half, part));
+                    for r in 0..R {
+                        let row_scales = _mm256_loadu_ps(tile.lane_scales(r, group, 8 * half));
+                        for c in 0..C {
+                            let row =
+                                _mm256_mul_ps(_mm256_cvtepi32_ps(dots[part][c][r]), row_scales);
+                            acc[c][r] = _mm256_fmadd_ps(row, scales[c], acc[c][r]);
+                        }
+                    }
+                }
+            }
+        }
+        reduce(acc, out, stride)
+    }
+
     format_dispatch!("avx2,fma,f16c");
 
     /// The group loop: `group_dots(group, half, tile, dots)` adds half `half` of the group's
@@ -178,13 +335,11 @@ pub mod avx2 {
                 let mut dots = [[_mm256_setzero_si256(); R]; C];
                 group_dots(group, half, &tile, &mut dots);
                 let lane = 8 * half;
-                let scales = columns
-                    .each_ref()
-                    .map(|c| lane_values(c.scales, group, half));
+                let scales = columns.each_ref().map(|c| scale_lanes(c, group, half));
                 let offsets: [Option<__m256>; C] = std::array::from_fn(|c| match offsets {
                     Offsets::None => None,
                     Offsets::ScaleTimes(f) => Some(_mm256_mul_ps(scales[c], _mm256_set1_ps(f))),
-                    Offsets::Mins => Some(lane_values(columns[c].mins, group, half)),
+                    Offsets::Stored => Some(offset_lanes(&columns[c], group, half)),
                 });
                 for r in 0..R {
                     let row_scales = _mm256_loadu_ps(tile.lane_scales(r, group, lane));
@@ -241,12 +396,28 @@ pub mod avx2 {
         )
     }
 
-    /// Q4_0 and Q4_1: 32 packed bytes unpack into half of two vectors (both halves of a
-    /// two-block group's one vector).
+    /// 32 fifth bits as bytes: 16 where bit `i` is set (bit `i % 8` of byte `i / 8`), else 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn fifth_bit_bytes(bits: u32) -> __m256i {
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                3, 3, 3, 3,
+            ),
+        );
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+
+    /// Q4_0 and Q4_1 (and with `FIVE` their fifth bits, Q5_0 and Q5_1): 32 packed bytes
+    /// unpack into half of two vectors (both halves of a two-block group's one vector).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)] // index loops: see the module docs
-    unsafe fn q4_tile<const R: usize, const C: usize>(
+    unsafe fn q4_tile<const R: usize, const C: usize, const FIVE: bool>(
         columns: &[Column; C],
         x: &QuantizedRows,
         first_row: usize,
@@ -257,6 +428,7 @@ pub mod avx2 {
             assert_eq!(c.quants.len(), x.stored_blocks() * 16);
             c.quants.as_ptr()
         });
+        let high = high_bits::<C, FIVE>(columns, x);
         let low_mask = _mm256_set1_epi8(0x0F);
         groups::<R, C>(
             columns,
@@ -268,6 +440,13 @@ pub mod avx2 {
                 let packed = quants.map(|q| q.add(group.first_block * 16));
                 let mut add = |nibbles: [__m256i; C], vector: usize| {
                     let offset = vector_offset(group, vector) + 32 * half;
+                    let nibbles: [__m256i; C] = match FIVE {
+                        true => std::array::from_fn(|c| {
+                            let bits = fifth_bits::<u32>(high[c], group, vector, 4 * half);
+                            _mm256_or_si256(nibbles[c], fifth_bit_bytes(bits))
+                        }),
+                        false => nibbles,
+                    };
                     for r in 0..R {
                         let row = _mm256_load_si256(tile.quants(r, offset).cast());
                         for c in 0..C {
@@ -331,6 +510,139 @@ pub mod vnni {
         _mm512_permutexvar_ps(blocks, wide)
     }
 
+    /// As `lane_values`, for K-quant headers: a block's 6-bit `factors` times its
+    /// superblock's f16 value in `supers` (K-quant groups start on a superblock).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn super_lane_values<const SIGNED: bool>(
+        factors: &[u8],
+        supers: &[f16],
+        group: Group,
+    ) -> __m512 {
+        let first = group.first_block;
+        assert!(
+            first.is_multiple_of(8)
+                && first + 16 <= factors.len()
+                && first / 8 + 16 <= supers.len()
+        );
+        let blocks = _mm512_srlv_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(group.lanes_per_block().trailing_zeros() as i32),
+        );
+        let bytes = _mm_loadu_si128(factors.as_ptr().add(first).cast());
+        let small = _mm512_cvtepi32_ps(match SIGNED {
+            true => _mm512_cvtepi8_epi32(bytes),
+            false => _mm512_cvtepu8_epi32(bytes),
+        });
+        let wide = _mm512_cvtph_ps(_mm256_loadu_si256(supers.as_ptr().add(first / 8).cast()));
+        _mm512_mul_ps(
+            _mm512_permutexvar_ps(blocks, small),
+            _mm512_permutexvar_ps(_mm512_srli_epi32(blocks, 3), wide),
+        )
+    }
+
+    /// Block scales for the lanes of group `group`'s vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn scale_lanes(column: &Column, group: Group) -> __m512 {
+        match column.headers {
+            ColumnHeaders::Half { scales, .. } => lane_values(scales, group),
+            ColumnHeaders::Super { sc, d, .. } => super_lane_values::<false>(sc, d, group),
+            ColumnHeaders::Split { .. } => unreachable!("Q6_K scales go by half block"),
+        }
+    }
+
+    /// Stored block offsets, like `scale_lanes`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn offset_lanes(column: &Column, group: Group) -> __m512 {
+        match column.headers {
+            ColumnHeaders::Half { mins, .. } => lane_values(mins, group),
+            ColumnHeaders::Super { m, dmin, .. } => _mm512_sub_ps(
+                _mm512_setzero_ps(),
+                super_lane_values::<false>(m, dmin, group),
+            ),
+            ColumnHeaders::Split { .. } => unreachable!("Q6_K has no offsets"),
+        }
+    }
+
+    /// Q6_K's scales of block half `part` (elements 16·part..) for group `group`'s lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn split_scale_lanes(column: &Column, group: Group, part: usize) -> __m512 {
+        match column.headers {
+            ColumnHeaders::Split { halves, d } => super_lane_values::<true>(halves[part], d, group),
+            _ => unreachable!("only Q6_K splits its blocks"),
+        }
+    }
+
+    /// Q6_K: signed weight bytes against activations made unsigned (x + 128), the extra
+    /// 128 · Σw per lane taken off in integers (`vpdpbusd` of ones gives Σw); a group's
+    /// vectors summed in two sets (see `avx2::q6k_tile`), each scaled by its half-block
+    /// scales.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    #[allow(clippy::needless_range_loop)] // index loops: see the module docs
+    unsafe fn q6k_tile<const R: usize, const C: usize>(
+        columns: &[Column; C],
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let quants = columns.each_ref().map(|c| {
+            assert_eq!(c.quants.len(), x.stored_blocks() * 32);
+            c.quants.as_ptr()
+        });
+        let tile = RowTile::<R>::new(x, first_row);
+        let (bias, ones) = (_mm512_set1_epi8(i8::MIN), _mm512_set1_epi8(1));
+        let mut acc = [[_mm512_setzero_ps(); R]; C];
+        for &group in x.groups() {
+            assert!(group.blocks >= 4, "a Q6_K row holds whole superblocks");
+            let split = group.vectors() / 2;
+            let mut dots = [[[_mm512_setzero_si512(); R]; C]; 2];
+            let mut weight_sums = [[_mm512_setzero_si512(); C]; 2];
+            for vector in 0..group.vectors() {
+                let part = usize::from(vector >= split);
+                let offset = vector_offset(group, vector);
+                let weights = quants.map(|q| _mm512_loadu_si512(q.add(offset).cast()));
+                for c in 0..C {
+                    weight_sums[part][c] =
+                        _mm512_dpbusd_epi32(weight_sums[part][c], ones, weights[c]);
+                }
+                for r in 0..R {
+                    let row =
+                        _mm512_xor_si512(_mm512_load_si512(tile.quants(r, offset).cast()), bias);
+                    for c in 0..C {
+                        dots[part][c][r] = _mm512_dpbusd_epi32(dots[part][c][r], row, weights[c]);
+                    }
+                }
+            }
+            for part in 0..2 {
+                let scales = columns
+                    .each_ref()
+                    .map(|c| split_scale_lanes(c, group, part));
+                let excess = weight_sums[part].map(|s| _mm512_slli_epi32(s, 7));
+                for r in 0..R {
+                    let row_scales = _mm512_loadu_ps(tile.lane_scales(r, group, 0));
+                    for c in 0..C {
+                        let exact = _mm512_sub_epi32(dots[part][c][r], excess[c]);
+                        let row = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), row_scales);
+                        acc[c][r] = _mm512_fmadd_ps(row, scales[c], acc[c][r]);
+                    }
+                }
+            }
+        }
+        // 16 lanes into 8, as in `groups`.
+        let acc = acc.map(|column| {
+            column.map(|w| {
+                let high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
+                _mm256_add_ps(_mm512_castps512_ps256(w), high)
+            })
+        });
+        reduce(acc, out, stride)
+    }
+
     format_dispatch!("avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl");
 
     /// As `avx2::groups`, on whole vectors: `group_dots(group, tile, dots)`.
@@ -350,11 +662,11 @@ pub mod vnni {
         for &group in x.groups() {
             let mut dots = [[_mm512_setzero_si512(); R]; C];
             group_dots(group, &tile, &mut dots);
-            let scales = columns.each_ref().map(|c| lane_values(c.scales, group));
+            let scales = columns.each_ref().map(|c| scale_lanes(c, group));
             let offsets: [Option<__m512>; C] = std::array::from_fn(|c| match offsets {
                 Offsets::None => None,
                 Offsets::ScaleTimes(f) => Some(_mm512_mul_ps(scales[c], _mm512_set1_ps(f))),
-                Offsets::Mins => Some(lane_values(columns[c].mins, group)),
+                Offsets::Stored => Some(offset_lanes(&columns[c], group)),
             });
             for r in 0..R {
                 let row_scales = _mm512_loadu_ps(tile.lane_scales(r, group, 0));
@@ -408,11 +720,12 @@ pub mod vnni {
         })
     }
 
-    /// A 64-byte load unpacks into two vectors (32 bytes into a two-block group's one).
+    /// A 64-byte load unpacks into two vectors (32 bytes into a two-block group's one); with
+    /// `FIVE`, a masked add puts 16 onto the quants whose fifth bit is set.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
     #[allow(clippy::needless_range_loop)] // index loops: see the module docs
-    unsafe fn q4_tile<const R: usize, const C: usize>(
+    unsafe fn q4_tile<const R: usize, const C: usize, const FIVE: bool>(
         columns: &[Column; C],
         x: &QuantizedRows,
         first_row: usize,
@@ -423,11 +736,19 @@ pub mod vnni {
             assert_eq!(c.quants.len(), x.stored_blocks() * 16);
             c.quants.as_ptr()
         });
-        let low_mask = _mm512_set1_epi8(0x0F);
+        let high = high_bits::<C, FIVE>(columns, x);
+        let (low_mask, sixteen) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
         groups::<R, C>(columns, x, first_row, out, stride, |group, tile, dots| {
             let packed = quants.map(|q| q.add(group.first_block * 16));
             let mut add = |nibbles: [__m512i; C], vector: usize| {
                 let offset = vector_offset(group, vector);
+                let nibbles: [__m512i; C] = match FIVE {
+                    true => std::array::from_fn(|c| {
+                        let mask: __mmask64 = fifth_bits(high[c], group, vector, 0);
+                        _mm512_mask_add_epi8(nibbles[c], mask, nibbles[c], sixteen)
+                    }),
+                    false => nibbles,
+                };
                 for r in 0..R {
                     let row = _mm512_load_si512(tile.quants(r, offset).cast());
                     for c in 0..C {
