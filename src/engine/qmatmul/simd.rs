@@ -113,6 +113,19 @@ fn vector_offset(group: Group, vector: usize) -> usize {
     group.first_block * 32 + vector * 64
 }
 
+/// Each column's quant bytes (checked to cover the row at `bytes` per block).
+#[inline(always)]
+fn quant_pointers<const C: usize>(
+    columns: &[Column; C],
+    x: &QuantizedRows,
+    bytes: usize,
+) -> [*const u8; C] {
+    columns.each_ref().map(|c| {
+        assert_eq!(c.quants.len(), x.stored_blocks() * bytes);
+        c.quants.as_ptr()
+    })
+}
+
 /// Each column's fifth-bit plane (checked to cover the row when `FIVE`).
 #[inline(always)]
 fn high_bits<const C: usize, const FIVE: bool>(
@@ -269,10 +282,7 @@ pub mod avx2 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let quants = columns.each_ref().map(|c| {
-            assert_eq!(c.quants.len(), x.stored_blocks() * 32);
-            c.quants.as_ptr()
-        });
+        let quants = quant_pointers(columns, x, 32);
         let tile = RowTile::<R>::new(x, first_row);
         let mut acc = [[_mm256_setzero_ps(); R]; C];
         for &group in x.groups() {
@@ -368,10 +378,7 @@ pub mod avx2 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let quants = columns.each_ref().map(|c| {
-            assert_eq!(c.quants.len(), x.stored_blocks() * 32);
-            c.quants.as_ptr()
-        });
+        let quants = quant_pointers(columns, x, 32);
         groups::<R, C>(
             columns,
             x,
@@ -424,10 +431,7 @@ pub mod avx2 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let quants = columns.each_ref().map(|c| {
-            assert_eq!(c.quants.len(), x.stored_blocks() * 16);
-            c.quants.as_ptr()
-        });
+        let quants = quant_pointers(columns, x, 16);
         let high = high_bits::<C, FIVE>(columns, x);
         let low_mask = _mm256_set1_epi8(0x0F);
         groups::<R, C>(
@@ -590,10 +594,7 @@ pub mod vnni {
         out: &mut [f32],
         stride: usize,
     ) {
-        let quants = columns.each_ref().map(|c| {
-            assert_eq!(c.quants.len(), x.stored_blocks() * 32);
-            c.quants.as_ptr()
-        });
+        let quants = quant_pointers(columns, x, 32);
         let tile = RowTile::<R>::new(x, first_row);
         let (bias, ones) = (_mm512_set1_epi8(i8::MIN), _mm512_set1_epi8(1));
         let mut acc = [[_mm512_setzero_ps(); R]; C];
@@ -633,7 +634,19 @@ pub mod vnni {
                 }
             }
         }
-        // 16 lanes into 8, as in `groups`.
+        reduce_wide(acc, out, stride)
+    }
+
+    format_dispatch!("avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl");
+
+    /// 16 lanes into 8 (lane i + lane i + 8), then the shared reduction.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    fn reduce_wide<const R: usize, const C: usize>(
+        acc: [[__m512; R]; C],
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let acc = acc.map(|column| {
             column.map(|w| {
                 let high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
@@ -642,8 +655,6 @@ pub mod vnni {
         });
         reduce(acc, out, stride)
     }
-
-    format_dispatch!("avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl");
 
     /// As `avx2::groups`, on whole vectors: `group_dots(group, tile, dots)`.
     #[inline]
@@ -680,14 +691,7 @@ pub mod vnni {
                 }
             }
         }
-        // 16 lanes into 8 (lane i + lane i + 8), then the shared reduction.
-        let acc = acc.map(|column| {
-            column.map(|w| {
-                let high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
-                _mm256_add_ps(_mm512_castps512_ps256(w), high)
-            })
-        });
-        reduce(acc, out, stride)
+        reduce_wide(acc, out, stride)
     }
 
     #[inline]
@@ -700,10 +704,7 @@ pub mod vnni {
         out: &mut [f32],
         stride: usize,
     ) {
-        let quants = columns.each_ref().map(|c| {
-            assert_eq!(c.quants.len(), x.stored_blocks() * 32);
-            c.quants.as_ptr()
-        });
+        let quants = quant_pointers(columns, x, 32);
         let bias = _mm512_set1_epi8(i8::MIN);
         groups::<R, C>(columns, x, first_row, out, stride, |group, tile, dots| {
             for vector in 0..group.vectors() {
@@ -732,10 +733,7 @@ pub mod vnni {
         out: &mut [f32],
         stride: usize,
     ) {
-        let quants = columns.each_ref().map(|c| {
-            assert_eq!(c.quants.len(), x.stored_blocks() * 16);
-            c.quants.as_ptr()
-        });
+        let quants = quant_pointers(columns, x, 16);
         let high = high_bits::<C, FIVE>(columns, x);
         let (low_mask, sixteen) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
         groups::<R, C>(columns, x, first_row, out, stride, |group, tile, dots| {
