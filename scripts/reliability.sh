@@ -105,8 +105,9 @@ set -e
     echo "every 10 s between me, r2r and citer, the prefix cache on; then SIGTERM. A request"
     echo "resident on a model when its panic fires fails cleanly (HTTP 500 or an error event in"
     echo "its stream); the model restarts and the rest continue. Memory passes when it ends within"
-    echo "5 % of its value once the prefix cache has reached its cap (the first sample with KV in"
-    echo "use and cached at ≥ 98 % of the budget; without one, the first after 5 minutes);"
+    echo "5 % of its value once the prefix cache has reached its cap (the first sample after 5"
+    echo "minutes with KV in use and cached at ≥ 98 % of the budget; without one, the first after"
+    echo "5 minutes);"
     echo "descriptors when they return to their count before the load. Plot:"
     echo "[soak.svg](plots/reliability/soak.svg)."
     echo
