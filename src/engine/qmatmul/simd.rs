@@ -288,31 +288,30 @@ pub mod avx2 {
         for &group in x.groups() {
             assert!(group.blocks >= 4, "a Q6_K row holds whole superblocks");
             let split = group.vectors() / 2;
+            // One part at a time, so the sums are indexed by constants and stay in registers.
             for half in 0..2 {
-                let mut dots = [[[_mm256_setzero_si256(); R]; C]; 2];
-                for vector in 0..group.vectors() {
-                    let part = usize::from(vector >= split);
-                    let offset = vector_offset(group, vector) + 32 * half;
-                    let weights = quants.map(|q| _mm256_loadu_si256(q.add(offset).cast()));
-                    let magnitudes = weights.map(|w| _mm256_sign_epi8(w, w));
-                    for r in 0..R {
-                        let row = _mm256_load_si256(tile.quants(r, offset).cast());
-                        for c in 0..C {
-                            let signed = _mm256_sign_epi8(row, weights[c]);
-                            let dot = dot_avx2(magnitudes[c], signed);
-                            dots[part][c][r] = _mm256_add_epi32(dots[part][c][r], dot);
+                for part in 0..2 {
+                    let mut dots = [[_mm256_setzero_si256(); R]; C];
+                    for vector in part * split..(part + 1) * split {
+                        let offset = vector_offset(group, vector) + 32 * half;
+                        let weights = quants.map(|q| _mm256_loadu_si256(q.add(offset).cast()));
+                        let magnitudes = weights.map(|w| _mm256_sign_epi8(w, w));
+                        for r in 0..R {
+                            let row = _mm256_load_si256(tile.quants(r, offset).cast());
+                            for c in 0..C {
+                                let signed = _mm256_sign_epi8(row, weights[c]);
+                                let dot = dot_avx2(magnitudes[c], signed);
+                                dots[c][r] = _mm256_add_epi32(dots[c][r], dot);
+                            }
                         }
                     }
-                }
-                for part in 0..2 {
                     let scales = columns
                         .each_ref()
                         .map(|c| split_scale_lanes(c, group, half, part));
                     for r in 0..R {
                         let row_scales = _mm256_loadu_ps(tile.lane_scales(r, group, 8 * half));
                         for c in 0..C {
-                            let row =
-                                _mm256_mul_ps(_mm256_cvtepi32_ps(dots[part][c][r]), row_scales);
+                            let row = _mm256_mul_ps(_mm256_cvtepi32_ps(dots[c][r]), row_scales);
                             acc[c][r] = _mm256_fmadd_ps(row, scales[c], acc[c][r]);
                         }
                     }
@@ -601,33 +600,32 @@ pub mod vnni {
         for &group in x.groups() {
             assert!(group.blocks >= 4, "a Q6_K row holds whole superblocks");
             let split = group.vectors() / 2;
-            let mut dots = [[[_mm512_setzero_si512(); R]; C]; 2];
-            let mut weight_sums = [[_mm512_setzero_si512(); C]; 2];
-            for vector in 0..group.vectors() {
-                let part = usize::from(vector >= split);
-                let offset = vector_offset(group, vector);
-                let weights = quants.map(|q| _mm512_loadu_si512(q.add(offset).cast()));
-                for c in 0..C {
-                    weight_sums[part][c] =
-                        _mm512_dpbusd_epi32(weight_sums[part][c], ones, weights[c]);
-                }
-                for r in 0..R {
-                    let row =
-                        _mm512_xor_si512(_mm512_load_si512(tile.quants(r, offset).cast()), bias);
+            // One part at a time, so the sums are indexed by constants and stay in registers.
+            for part in 0..2 {
+                let mut dots = [[_mm512_setzero_si512(); R]; C];
+                let mut weight_sums = [_mm512_setzero_si512(); C];
+                for vector in part * split..(part + 1) * split {
+                    let offset = vector_offset(group, vector);
+                    let weights = quants.map(|q| _mm512_loadu_si512(q.add(offset).cast()));
                     for c in 0..C {
-                        dots[part][c][r] = _mm512_dpbusd_epi32(dots[part][c][r], row, weights[c]);
+                        weight_sums[c] = _mm512_dpbusd_epi32(weight_sums[c], ones, weights[c]);
+                    }
+                    for r in 0..R {
+                        let row = _mm512_load_si512(tile.quants(r, offset).cast());
+                        let row = _mm512_xor_si512(row, bias);
+                        for c in 0..C {
+                            dots[c][r] = _mm512_dpbusd_epi32(dots[c][r], row, weights[c]);
+                        }
                     }
                 }
-            }
-            for part in 0..2 {
                 let scales = columns
                     .each_ref()
                     .map(|c| split_scale_lanes(c, group, part));
-                let excess = weight_sums[part].map(|s| _mm512_slli_epi32(s, 7));
+                let excess = weight_sums.map(|s| _mm512_slli_epi32(s, 7));
                 for r in 0..R {
                     let row_scales = _mm512_loadu_ps(tile.lane_scales(r, group, 0));
                     for c in 0..C {
-                        let exact = _mm512_sub_epi32(dots[part][c][r], excess[c]);
+                        let exact = _mm512_sub_epi32(dots[c][r], excess[c]);
                         let row = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), row_scales);
                         acc[c][r] = _mm512_fmadd_ps(row, scales[c], acc[c][r]);
                     }
