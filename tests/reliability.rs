@@ -5,8 +5,25 @@ mod common;
 
 use common::server::{metric_sum, samples, stream_events, write_tiny_config_with, Server};
 use serde_json::{json, Value};
-use std::io::Read;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
+
+/// A raw connection to `server`; reads give up after 10 s.
+fn raw_connection(server: &Server) -> TcpStream {
+    let stream = TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream
+}
+
+/// Everything the server sends on `stream` until it closes it.
+fn read_until_closed(mut stream: TcpStream) -> String {
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).unwrap();
+    String::from_utf8_lossy(&answer).to_string()
+}
 
 /// A streamed completion that runs for a while (end-of-sequence ignored).
 fn long_stream(tokens: u32) -> Value {
@@ -230,11 +247,7 @@ fn a_client_that_never_finishes_its_headers_is_closed() {
         8192,
         "header_timeout_ms = 1000",
     ));
-    let address = server.base.trim_start_matches("http://").to_string();
-    let mut slow = std::net::TcpStream::connect(&address).unwrap();
-    slow.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    use std::io::Write;
+    let mut slow = raw_connection(&server);
     slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         .unwrap();
     let started = Instant::now();
@@ -243,10 +256,8 @@ fn a_client_that_never_finishes_its_headers_is_closed() {
         &json!({"model": "me", "prompt": "the city", "max_tokens": 2}),
     );
     assert_eq!(status, 200);
-    let mut answer = Vec::new();
-    slow.read_to_end(&mut answer).unwrap();
+    let answer = read_until_closed(slow);
     let waited = started.elapsed();
-    let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
     assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
 }
@@ -262,21 +273,15 @@ fn a_client_that_withholds_its_body_gets_408_and_is_closed() {
         8192,
         "body_timeout_ms = 300",
     ));
-    let address = server.base.trim_start_matches("http://").to_string();
-    let mut slow = std::net::TcpStream::connect(&address).unwrap();
-    slow.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    use std::io::Write;
+    let mut slow = raw_connection(&server);
     slow.write_all(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
           Content-Length: 100\r\n\r\n{\"model\": ",
     )
     .unwrap();
     let started = Instant::now();
-    let mut answer = Vec::new();
-    slow.read_to_end(&mut answer).unwrap();
+    let answer = read_until_closed(slow);
     let waited = started.elapsed();
-    let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
     assert!(answer.contains(r#""type":"timeout_error""#), "{answer:?}");
     assert!(
@@ -303,37 +308,28 @@ fn idle_connections_are_closed_after_their_timeouts() {
         8192,
         "header_timeout_ms = 1000\nkeep_alive_s = 1.0",
     ));
-    let address = server.base.trim_start_matches("http://").to_string();
-    let read_until_closed = |mut stream: std::net::TcpStream| {
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
+    let timed_read = |stream: TcpStream| {
         let started = Instant::now();
-        let mut answer = Vec::new();
-        stream.read_to_end(&mut answer).unwrap();
-        (
-            started.elapsed(),
-            String::from_utf8_lossy(&answer).to_string(),
-        )
+        let answer = read_until_closed(stream);
+        (started.elapsed(), answer)
     };
-    let idle = std::net::TcpStream::connect(&address).unwrap();
+    let idle = raw_connection(&server);
     let (status, _) = server.post(
         "/v1/completions",
         &json!({"model": "me", "prompt": "the city", "max_tokens": 2}),
     );
     assert_eq!(status, 200);
-    let (waited, answer) = read_until_closed(idle);
+    let (waited, answer) = timed_read(idle);
     assert!(
         answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
         "{answer:?}"
     );
     assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
 
-    use std::io::Write;
-    let mut kept = std::net::TcpStream::connect(&address).unwrap();
+    let mut kept = raw_connection(&server);
     kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
-    let (waited, answer) = read_until_closed(kept);
+    let (waited, answer) = timed_read(kept);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
     assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
 }
@@ -368,12 +364,11 @@ fn a_streaming_client_that_stops_reading_is_cancelled_and_its_kv_freed() {
     .unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     socket.connect(&address.into()).unwrap();
-    let mut stalled: std::net::TcpStream = socket.into();
+    let mut stalled: TcpStream = socket.into();
     // Every token's chunk carries 20 alternatives (~1 KB): a few fill both 4 KB buffers.
     let body = json!({"model": "llm", "prompt": "Tell me a long story.", "max_tokens": 1000,
                       "ignore_eos": true, "stream": true, "logprobs": 20})
     .to_string();
-    use std::io::Write;
     write!(
         stalled,
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\

@@ -36,6 +36,20 @@ fn labelled_line(
     Ok(())
 }
 
+/// The series' labels in a framed, half-transparent box.
+fn legend<'a, 'b>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPosition) -> PlotResult<()>
+where
+    'b: 'a,
+{
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    Ok(())
+}
+
 /// Writes every plot into `dir` and returns their paths.
 pub fn write_all(rows: &[RoutingBenchRow], dir: &Path) -> PlotResult<Vec<PathBuf>> {
     std::fs::create_dir_all(dir)?;
@@ -100,11 +114,7 @@ fn throughput(rows: &[RoutingBenchRow], policy: &str, path: &Path) -> PlotResult
         }
         labelled_line(&mut chart, points, k, mode)?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
     root.present()?;
     Ok(())
 }
@@ -182,12 +192,7 @@ fn accuracy_vs_share(rows: &[QualityRow], reference: &str, path: &Path) -> PlotR
         points.sort_by(|a, b| a.0.total_cmp(&b.0));
         labelled_line(&mut chart, points, k, family)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     root.present()?;
     Ok(())
 }
@@ -253,12 +258,7 @@ fn draw_soak(samples: &[Sample], path: &Path) -> PlotResult<()> {
                 .collect();
             labelled_line(&mut chart, points, k, label)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }
     root.present()?;
     Ok(())

@@ -159,20 +159,9 @@ impl Breakdown {
         self.http_ms += (round_trip.as_secs_f64() * 1e3 - server_total).max(0.0);
     }
 
-    fn merge(&mut self, other: &Breakdown) {
-        self.calls_per_token += other.calls_per_token;
-        self.http_ms += other.http_ms;
-        self.parse_ms += other.parse_ms;
-        self.tokenize_ms += other.tokenize_ms;
-        self.queue_ms += other.queue_ms;
-        self.prefix_match_ms += other.prefix_match_ms;
-        self.compute_ms += other.compute_ms;
-        self.policy_ms += other.policy_ms;
-    }
-
-    fn per_token(mut self, tokens: usize) -> Self {
-        let n = tokens.max(1) as f64;
-        for v in [
+    /// Every field, so sums and scalings cannot miss one.
+    fn fields_mut(&mut self) -> [&mut f64; 8] {
+        [
             &mut self.calls_per_token,
             &mut self.http_ms,
             &mut self.parse_ms,
@@ -181,7 +170,18 @@ impl Breakdown {
             &mut self.prefix_match_ms,
             &mut self.compute_ms,
             &mut self.policy_ms,
-        ] {
+        ]
+    }
+
+    fn merge(&mut self, mut other: Breakdown) {
+        for (sum, v) in self.fields_mut().into_iter().zip(other.fields_mut()) {
+            *sum += *v;
+        }
+    }
+
+    fn per_token(mut self, tokens: usize) -> Self {
+        let n = tokens.max(1) as f64;
+        for v in self.fields_mut() {
             *v /= n;
         }
         self
@@ -357,7 +357,7 @@ pub(super) fn run_cell(servers: &Servers, cell: Cell) -> (Tally, Breakdown) {
                     }
                 }
                 let mut total = breakdown.lock().unwrap_or_else(|e| e.into_inner());
-                total.merge(&mine);
+                total.merge(mine);
             });
         }
     });

@@ -431,16 +431,16 @@ impl PackedInt8 {
         }
     }
 
-    /// Calls `f(col, block, quants)` for every block in order, with its 32 quants unpacked
+    /// Calls `f(column, block, quants)` for every block in order, with its 32 quants unpacked
     /// (signed bytes for Q8_0, nibbles with their fifth bit for the others).
-    fn for_each_block(&self, mut f: impl FnMut(usize, usize, [i32; BLOCK])) {
+    fn for_each_block(&self, mut f: impl FnMut(&Column, usize, [i32; BLOCK])) {
         for col in 0..self.columns() {
             let column = self.column(col);
             for block in 0..self.blocks_per_row {
                 let group = group_of(&self.groups, block);
                 let j = block - group.first_block;
                 f(
-                    col,
+                    &column,
                     block,
                     std::array::from_fn(|e| column.quant(group, group.position(j, e))),
                 );
@@ -496,8 +496,7 @@ impl PackedInt8 {
     /// The weights as f32, row-major `[n_out, k_in]`.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.columns() * self.blocks_per_row * BLOCK);
-        self.for_each_block(|col, block, q| {
-            let column = self.column(col);
+        self.for_each_block(|column, block, q| {
             let offset = column.offset(block);
             out.extend((0..BLOCK).map(|e| column.element_scale(block, e) * q[e] as f32 + offset));
         });
