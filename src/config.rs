@@ -472,6 +472,9 @@ pub enum WeightPrecision {
     #[default]
     Stored,
     F32,
+    /// Dense 16-bit weights, widened to f32 in the kernels.
+    F16,
+    Bf16,
     Q8_0,
     Q4_0,
     Q4_1,

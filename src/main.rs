@@ -592,6 +592,7 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     }
     model.weights = args.weights.unwrap_or(model.weights);
     let mut executor = load_executor(&model)?;
+    let load_peak_rss_mib = bench::soak::peak_rss_mib(std::process::id());
     let settings = bench::engine::EngineBenchSettings {
         batches: args.batch,
         steps: args.steps,
@@ -617,7 +618,13 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     }
     let weights = serde_json::to_value(model.weights)?;
     let weights = weights.as_str().unwrap_or("stored");
-    let report = bench::engine::run(executor.as_mut(), model.threads, weights, &settings)?;
+    let report = bench::engine::run(
+        executor.as_mut(),
+        model.threads,
+        weights,
+        load_peak_rss_mib,
+        &settings,
+    )?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -161,21 +161,65 @@ fn requantized_formats_agree_with_candle_on_the_same_weights() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    for dtype in [
-        GgmlDType::Q5_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
+    for (dtype, min_rate, max_logit_diff) in [
+        (GgmlDType::Q5_0, 0.93, 3.0),
+        (GgmlDType::Q5_1, 0.93, 3.0),
+        (GgmlDType::Q4K, 0.93, 3.0),
+        (GgmlDType::Q5K, 0.93, 3.0),
+        (GgmlDType::Q6K, 0.93, 3.0),
+        // Dense kernels keep f32 activations: only the summation order differs.
+        (GgmlDType::BF16, 0.99, 0.05),
     ] {
         let file = dir.path().join(format!("{dtype:?}.gguf"));
         let requantized = common::requantized_gguf(&path, &file, dtype);
         let dense = dir.path().join(format!("{dtype:?}-f32.gguf"));
         let reference = common::requantized_gguf(&requantized, &dense, GgmlDType::F32);
         let (rate, max_diff) = teacher_forced_agreement(&requantized, &reference, 1);
-        assert!(rate >= 0.93, "{dtype:?}: agreement {rate}");
-        assert!(max_diff < 3.0, "{dtype:?}: logits {max_diff} apart");
+        assert!(rate >= min_rate, "{dtype:?}: agreement {rate}");
+        assert!(
+            max_diff < max_logit_diff,
+            "{dtype:?}: logits {max_diff} apart"
+        );
     }
+}
+
+/// A bf16 safetensors directory written from the bf16 GGUF of the real model loads with its
+/// matrices still bf16 and decodes the GGUF's greedy tokens (the two differ only in the rope
+/// layout of q and k, so logits agree to float rounding).
+#[test]
+fn bf16_safetensors_copy_decodes_like_the_gguf_of_the_same_weights() {
+    let Some(path) = common::real_model() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = common::requantized_gguf(&path, &dir.path().join("bf16.gguf"), GgmlDType::BF16);
+    let hf = common::hf_copy_of_gguf(&gguf, &dir.path().join("hf"));
+    let weights = tokenrouter::engine::weights::load_weights(&common::model_config("hf", &hf));
+    let weights = weights.unwrap();
+    assert!(weights
+        .layers
+        .iter()
+        .all(|l| l.w_down.dtype() == GgmlDType::BF16));
+    assert_eq!(weights.lm_head.dtype(), GgmlDType::BF16);
+    let tok = ModelTokenizer::load(&path).unwrap();
+    let greedy = |model: &std::path::Path| {
+        let mut executor = Executor::load(&common::model_config("m", model)).unwrap();
+        let mut all = Vec::new();
+        for (p, text) in PROMPTS.iter().take(3).enumerate() {
+            let prefix: String = text.chars().take(200).collect();
+            let mut input = tok.encode(&prefix).unwrap();
+            let mut tokens = Vec::new();
+            for _ in 0..32 {
+                let out = executor.step(&[work(p as u64, input)]).unwrap().remove(0);
+                tokens.push(out.candidate);
+                input = vec![out.candidate];
+            }
+            executor.free(SeqId(p as u64));
+            all.push(tokens);
+        }
+        all
+    };
+    assert_eq!(greedy(&hf), greedy(&gguf));
 }
 
 #[test]

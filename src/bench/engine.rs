@@ -41,6 +41,8 @@ pub struct EngineBenchReport {
     pub prefill: PrefillResult,
     /// With the weights in host memory and a B = 1 row.
     pub bound: Option<Bound>,
+    /// The process's peak resident memory once the model was loaded (before any step).
+    pub load_peak_rss_mib: Option<f64>,
 }
 
 pub struct EngineBenchSettings {
@@ -164,10 +166,13 @@ fn interleaved_median_step_ms(
     Ok(times.iter_mut().map(|t| median(t)).collect())
 }
 
+/// Benchmarks a loaded executor; `load_peak_rss_mib` is the process's peak memory measured
+/// right after loading (the steps and the bandwidth probe raise it afterwards).
 pub fn run(
     executor: &mut dyn StepExecutor,
     threads: usize,
     weights: &str,
+    load_peak_rss_mib: Option<f64>,
     settings: &EngineBenchSettings,
 ) -> EngineResult<EngineBenchReport> {
     let vocab = executor.vocab_size();
@@ -220,6 +225,7 @@ pub fn run(
             tokens_per_s: settings.prefill_tokens as f64 * 1e3 / prefill_ms,
         },
         bound,
+        load_peak_rss_mib,
     })
 }
 
@@ -243,6 +249,9 @@ impl EngineBenchReport {
             self.prefill.ms_median,
             self.prefill.tokens_per_s
         );
+        if let Some(mib) = self.load_peak_rss_mib {
+            out += &format!("loading: peak resident memory {mib:.0} MiB\n");
+        }
         if let Some(b) = &self.bound {
             out += &format!(
                 "bound: {:.1} MB of weight matrices per step / {:.1} GB/s read bandwidth ({} \

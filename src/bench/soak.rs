@@ -85,10 +85,20 @@ impl SoakCheck {
 
 /// Resident memory of a process in MiB.
 pub fn rss_mib(pid: u32) -> Option<f64> {
+    status_mib(pid, "VmRSS:")
+}
+
+/// The most resident memory a process has had, in MiB.
+pub fn peak_rss_mib(pid: u32) -> Option<f64> {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A `kB` field of `/proc/PID/status` in MiB.
+fn status_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kib: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .find_map(|l| l.strip_prefix(field))?
         .trim()
         .trim_end_matches("kB")
         .trim()

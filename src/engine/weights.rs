@@ -5,10 +5,11 @@
 use super::qmatmul::QWeight;
 use crate::config::{ModelConfig, WeightPrecision};
 use crate::error::{EngineError, EngineResult};
-use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 use indicatif::{ProgressBar, ProgressStyle};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::BufReader;
@@ -148,11 +149,26 @@ impl TensorStore for SafetensorsStore {
         if !self.names.contains(&name) {
             return Ok(None);
         }
-        let tensor = self
-            .tensors
-            .load(&name, &Device::Cpu)?
-            .to_dtype(DType::F32)?;
-        Ok(Some(QTensor::quantize(&tensor, GgmlDType::F32)?))
+        // f16 and bf16 stay 16-bit (a bf16 model loads without an f32 copy); where the file
+        // aligns them, the stored bytes are taken as they are.
+        let view = self.tensors.get(&name)?;
+        let stored = match DType::try_from(view.dtype()) {
+            Ok(DType::F32) => Some((GgmlDType::F32, 4)),
+            Ok(DType::F16) => Some((GgmlDType::F16, 2)),
+            Ok(DType::BF16) => Some((GgmlDType::BF16, 2)),
+            _ => None,
+        };
+        let dtype = match stored {
+            Some((dtype, align)) if view.data().as_ptr().align_offset(align) == 0 => {
+                let bytes = Cow::Borrowed(view.data());
+                let storage = QStorage::from_data(bytes, &Device::Cpu, dtype)?;
+                return Ok(Some(QTensor::new(storage, view.shape())?));
+            }
+            Some((dtype, _)) => dtype,
+            None => GgmlDType::F32,
+        };
+        let tensor = self.tensors.load(&name, &Device::Cpu)?;
+        Ok(Some(QTensor::quantize(&tensor, dtype)?))
     }
 }
 

@@ -498,3 +498,84 @@ pub fn write_router(path: &Path, kind: &str, hidden: usize, seed: u64) -> HashMa
     candle_core::safetensors::save(&w, path).unwrap();
     w
 }
+
+/// Writes a llama GGUF file as a Hugging Face directory (`config.json` + `model.safetensors`):
+/// f32/f16/bf16 tensors keep their type and values, others are dequantized to f32, and q/k
+/// rows are put back in the transformers order (the loader's rope then rotates halves).
+pub fn hf_copy_of_gguf(gguf: &Path, dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut file = std::fs::File::open(gguf).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let int = |key: &str| content.metadata[&format!("llama.{key}")].to_u32().unwrap() as usize;
+    let float = |key: &str| content.metadata[&format!("llama.{key}")].to_f32().unwrap();
+    let (heads, kv_heads) = (int("attention.head_count"), int("attention.head_count_kv"));
+    let layers = int("block_count");
+    let vocab = content.tensor_infos["token_embd.weight"].shape.dims()[0];
+    let config = serde_json::json!({
+        "model_type": "llama",
+        "hidden_size": int("embedding_length"),
+        "intermediate_size": int("feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "rms_norm_eps": float("attention.layer_norm_rms_epsilon"),
+        "rope_theta": float("rope.freq_base"),
+        "max_position_embeddings": int("context_length"),
+        "tie_word_embeddings": !content.tensor_infos.contains_key("output.weight"),
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut names = vec![
+        "model.embed_tokens.weight".to_string(),
+        "model.norm.weight".into(),
+    ];
+    for l in 0..layers {
+        for t in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ] {
+            names.push(format!("model.layers.{l}.{t}.weight"));
+        }
+    }
+    let mut tensors = HashMap::new();
+    for hf in names {
+        let stored = content
+            .tensor(&mut file, &gguf_name(&hf), &Device::Cpu)
+            .unwrap();
+        let dtype = match stored.dtype() {
+            GgmlDType::F16 => candle_core::DType::F16,
+            GgmlDType::BF16 => candle_core::DType::BF16,
+            _ => candle_core::DType::F32,
+        };
+        let mut t = stored.dequantize(&Device::Cpu).unwrap();
+        for (proj, n) in [("q_proj", heads), ("k_proj", kv_heads)] {
+            if hf.ends_with(&format!("{proj}.weight")) {
+                t = unpermute_from_gguf(&t, n);
+            }
+        }
+        tensors.insert(hf, t.to_dtype(dtype).unwrap());
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    dir.to_path_buf()
+}
+
+/// The inverse of `permute_for_gguf`.
+fn unpermute_from_gguf(t: &Tensor, heads: usize) -> Tensor {
+    let (rows, cols) = t.dims2().unwrap();
+    let head_dim = rows / heads;
+    t.reshape((heads, head_dim / 2, 2, cols))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .reshape((rows, cols))
+        .unwrap()
+}

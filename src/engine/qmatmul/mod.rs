@@ -1,12 +1,14 @@
 //! Weight matrices in their stored (often quantized) format and a row-independent batched
 //! matmul over them. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K go through our
-//! integer kernels (`int8`), which read each weight block once per step for all rows; other
-//! formats use candle's per-row `vec_dot`.
+//! integer kernels (`int8`) and f32, f16 and bf16 through our dense kernels (`dense`), both of
+//! which read each weight once per step for all rows; Q2_K and Q3_K use candle's per-row
+//! `vec_dot`.
 //! Either way every output element is computed in a fixed order from one activation row and
 //! one weight row, so a row's result never depends on its batch-mates: batched and unbatched
 //! greedy decoding agree exactly. Work is split over output columns (see `engine::parallel`).
 
 mod activations;
+mod dense;
 mod int8;
 mod layout;
 #[cfg(target_arch = "x86_64")]
@@ -18,6 +20,7 @@ use crate::error::{EngineError, EngineResult};
 use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
+use dense::DenseMatrix;
 pub use int8::{Int8Format, Kernel, PackedInt8};
 
 /// A `[n_out, k_in]` weight matrix, rows stored contiguously in their own block format.
@@ -30,12 +33,13 @@ pub struct QWeight {
 enum Storage {
     /// The `Int8Format`s: repacked for our integer kernels.
     Int8(PackedInt8),
+    /// f32, f16 and bf16, as stored.
+    Dense(DenseMatrix),
     /// Every other format, as candle's blocks.
     Ggml(Blocks),
 }
 
 enum Blocks {
-    F32(Vec<f32>),
     Q2K(Vec<BlockQ2K>),
     Q3K(Vec<BlockQ3K>),
 }
@@ -44,7 +48,6 @@ enum Blocks {
 macro_rules! with_blocks {
     ($blocks:expr, $v:ident => $body:expr) => {
         match $blocks {
-            Blocks::F32($v) => $body,
             Blocks::Q2K($v) => $body,
             Blocks::Q3K($v) => $body,
         }
@@ -52,15 +55,9 @@ macro_rules! with_blocks {
 }
 
 impl QWeight {
-    /// Takes a 2-D tensor `[n_out, k_in]`; F16/BF16 are widened to F32 (no SIMD dot for them).
+    /// Takes a 2-D tensor `[n_out, k_in]`, keeping its format.
     pub fn from_qtensor(name: &str, tensor: &QTensor) -> EngineResult<Self> {
         let (n_out, k_in) = tensor.shape().dims2()?;
-        let tensor = match tensor.dtype() {
-            GgmlDType::F16 | GgmlDType::BF16 => {
-                QTensor::quantize(&tensor.dequantize(&Device::Cpu)?, GgmlDType::F32)?
-            }
-            _ => clone_qtensor(tensor)?,
-        };
         let data = tensor.data()?;
         let dtype = tensor.dtype();
         let (block_size, type_size) = (dtype.block_size(), dtype.type_size());
@@ -78,8 +75,20 @@ impl QWeight {
                 storage: Storage::Int8(packed),
             });
         }
+        let dense = match dtype {
+            GgmlDType::F32 => Some(DenseMatrix::F32(typed(&data))),
+            GgmlDType::F16 => Some(DenseMatrix::F16(typed(&data))),
+            GgmlDType::BF16 => Some(DenseMatrix::Bf16(typed(&data))),
+            _ => None,
+        };
+        if let Some(dense) = dense {
+            return Ok(Self {
+                n_out,
+                k_in,
+                storage: Storage::Dense(dense),
+            });
+        }
         let blocks = match dtype {
-            GgmlDType::F32 => Blocks::F32(typed(&data)),
             GgmlDType::Q2K => Blocks::Q2K(typed(&data)),
             GgmlDType::Q3K => Blocks::Q3K(typed(&data)),
             other => {
@@ -104,6 +113,8 @@ impl QWeight {
         let target = match precision {
             WeightPrecision::Stored => return Ok(self),
             WeightPrecision::F32 => GgmlDType::F32,
+            WeightPrecision::F16 => GgmlDType::F16,
+            WeightPrecision::Bf16 => GgmlDType::BF16,
             WeightPrecision::Q8_0 => GgmlDType::Q8_0,
             WeightPrecision::Q4_0 => GgmlDType::Q4_0,
             WeightPrecision::Q4_1 => GgmlDType::Q4_1,
@@ -143,6 +154,7 @@ impl QWeight {
     pub fn stored_bytes(&self) -> usize {
         match &self.storage {
             Storage::Int8(packed) => packed.stored_bytes(),
+            Storage::Dense(dense) => dense.stored_bytes(),
             Storage::Ggml(blocks) => with_blocks!(blocks, v => std::mem::size_of_val(v.as_slice())),
         }
     }
@@ -150,6 +162,7 @@ impl QWeight {
     pub fn dtype(&self) -> GgmlDType {
         match &self.storage {
             Storage::Int8(packed) => packed.format().dtype(),
+            Storage::Dense(dense) => dense.dtype(),
             Storage::Ggml(blocks) => with_blocks!(blocks, v => dtype_of(v)),
         }
     }
@@ -158,7 +171,14 @@ impl QWeight {
     pub fn packed_int8(&self) -> Option<&PackedInt8> {
         match &self.storage {
             Storage::Int8(packed) => Some(packed),
-            Storage::Ggml(_) => None,
+            Storage::Dense(_) | Storage::Ggml(_) => None,
+        }
+    }
+
+    fn dense(&self) -> Option<&DenseMatrix> {
+        match &self.storage {
+            Storage::Dense(dense) => Some(dense),
+            Storage::Int8(_) | Storage::Ggml(_) => None,
         }
     }
 
@@ -166,6 +186,7 @@ impl QWeight {
     pub fn dequantize(&self) -> Vec<f32> {
         match &self.storage {
             Storage::Int8(packed) => packed.dequantize(),
+            Storage::Dense(dense) => dense.to_f32(),
             Storage::Ggml(blocks) => {
                 let mut out = vec![0f32; self.n_out * self.k_in];
                 with_blocks!(blocks, v => to_float(v, &mut out));
@@ -205,17 +226,25 @@ impl QWeight {
             .max()
             .unwrap_or(1);
         let int8: Option<Vec<&PackedInt8>> = weights.iter().map(|w| w.packed_int8()).collect();
-        match int8 {
-            Some(int8) => {
+        let dense: Option<Vec<&DenseMatrix>> = weights.iter().map(|w| w.dense()).collect();
+        match (int8, dense) {
+            (Some(int8), _) => {
                 let x = activations::QuantizedRows::quantize(x, rows);
                 parallel::fill_columns(&mut outs, rows, cols_per_task, |i, columns, buffer| {
                     int8::columns(kernel, int8[i], &x, columns.start, buffer)
                 });
             }
-            None => {
+            (_, Some(dense)) => {
+                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, columns, buffer| {
+                    dense::columns(kernel, dense[i], k_in, x, columns.start, buffer)
+                });
+            }
+            _ => {
                 for (w, out) in weights.iter().zip(&mut outs) {
                     match &w.storage {
-                        Storage::Int8(_) => *out = w.matmul_with(kernel, x, rows),
+                        Storage::Int8(_) | Storage::Dense(_) => {
+                            *out = w.matmul_with(kernel, x, rows)
+                        }
                         Storage::Ggml(blocks) => {
                             with_blocks!(blocks, v => w.generic_matmul(v, x, rows, out))
                         }
@@ -268,12 +297,6 @@ fn dtype_of<T: GgmlType>(_: &[T]) -> GgmlDType {
 
 fn to_float<T: GgmlType>(blocks: &[T], out: &mut [f32]) {
     T::to_float(blocks, out)
-}
-
-fn clone_qtensor(tensor: &QTensor) -> EngineResult<QTensor> {
-    let storage =
-        candle_core::quantized::QStorage::from_data(tensor.data()?, &Device::Cpu, tensor.dtype())?;
-    Ok(QTensor::new(storage, tensor.shape().clone())?)
 }
 
 /// Copies raw little-endian block bytes into a properly aligned typed vector.
@@ -336,6 +359,8 @@ mod tests {
             let x = random(rows * k, 3 + rows as u64);
             for (dtype, tolerance) in [
                 (GgmlDType::F32, 1e-4),
+                (GgmlDType::F16, 1e-4),
+                (GgmlDType::BF16, 1e-4),
                 (GgmlDType::Q8_0, 0.03 * scale),
                 (GgmlDType::Q4_0, 0.03 * scale),
                 (GgmlDType::Q4_1, 0.03 * scale),
@@ -373,7 +398,7 @@ mod tests {
     fn simd_and_portable_kernels_agree_closely() {
         for (n, k, rows) in [(19, 160, 11), (9, 960, 10), (7, 768, 12)] {
             let x = random(rows * k, 5);
-            for dtype in INT8_FORMATS {
+            for dtype in INT8_FORMATS.into_iter().chain(DENSE_FORMATS) {
                 if !k.is_multiple_of(dtype.block_size()) {
                     continue;
                 }
@@ -385,6 +410,60 @@ mod tests {
                         assert!((a - b).abs() < 1e-5, "{dtype:?} {kernel:?}: {a} vs {b}");
                     }
                 }
+            }
+        }
+    }
+
+    const DENSE_FORMATS: [GgmlDType; 3] = [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16];
+
+    /// Widths with a tail past the last full vector (8 and 16 lanes), column counts with a
+    /// partial tile, and row counts covering every row tile.
+    #[test]
+    fn dense_kernels_match_the_reference_at_any_width() {
+        for (n, k) in [(7, 101), (5, 16), (9, 3), (6, 40)] {
+            for rows in [1, 2, 3, 4, 5, 7, 9] {
+                let x = random(rows * k, 17 + rows as u64);
+                for dtype in DENSE_FORMATS {
+                    let (w, dense) = weight(dtype, n, k);
+                    for kernel in Kernel::available() {
+                        let got = w.matmul_with(kernel, &x, rows);
+                        for r in 0..rows {
+                            for c in 0..n {
+                                let want: f64 = (0..k)
+                                    .map(|i| x[r * k + i] as f64 * dense[c * k + i] as f64)
+                                    .sum();
+                                let diff = (got[r * n + c] as f64 - want).abs();
+                                assert!(
+                                    diff < 1e-5,
+                                    "{dtype:?} {kernel:?} k={k} rows={rows} ({r},{c}): {} vs {want}",
+                                    got[r * n + c]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// 16-bit targets round each weight once (to nearest) and keep them 16-bit.
+    #[test]
+    fn sixteen_bit_targets_round_to_the_nearest_value_and_halve_the_bytes() {
+        let (w, dense) = weight(GgmlDType::F32, 4, 64);
+        let f32_bytes = w.stored_bytes();
+        for (precision, dtype, step) in [
+            (WeightPrecision::F16, GgmlDType::F16, 2f32.powi(-11)),
+            (WeightPrecision::Bf16, GgmlDType::BF16, 2f32.powi(-8)),
+        ] {
+            let (w, _) = weight(GgmlDType::F32, 4, 64);
+            let q = w.requantize("w", precision).unwrap();
+            assert_eq!(q.dtype(), dtype);
+            assert_eq!(q.stored_bytes() * 2, f32_bytes);
+            for (a, b) in q.dequantize().iter().zip(&dense) {
+                assert!(
+                    (a - b).abs() <= b.abs() * step + 1e-7,
+                    "{dtype:?}: {a} vs {b}"
+                );
             }
         }
     }
@@ -465,6 +544,8 @@ mod tests {
             .unwrap();
         for (dtype, k) in [
             (GgmlDType::F32, 128),
+            (GgmlDType::F16, 101),
+            (GgmlDType::BF16, 576),
             (GgmlDType::Q8_0, 128),
             (GgmlDType::Q8_0, 928),
             (GgmlDType::Q4_0, 128),
