@@ -38,3 +38,15 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
     float* to = dst + (long long)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) to[i] = from[i];
 }
+
+// f32 -> bf16 bits rounded to nearest even (NaN stays NaN): the activations of a bf16 GEMM.
+extern "C" __global__ void to_bf16(const float* x, unsigned short* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned int bits = __float_as_uint(x[i]);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        out[i] = (unsigned short)((bits >> 16) | 0x40u);
+    } else {
+        out[i] = (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+}

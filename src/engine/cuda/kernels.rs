@@ -87,6 +87,7 @@ kernels! {
     add_bias_rows in "elementwise.cu",
     silu_mul in "elementwise.cu",
     gather_rows in "elementwise.cu",
+    to_bf16 in "elementwise.cu",
     rope in "rope.cu",
     kv_append in "kv.cu",
     kv_copy_blocks in "kv.cu",

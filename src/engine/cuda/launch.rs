@@ -81,6 +81,17 @@ impl Gpu {
         Ok(())
     }
 
+    /// `x` rounded to bf16 (to nearest even), as raw bits.
+    pub fn to_bf16(&self, x: &CudaSlice<f32>) -> EngineResult<CudaSlice<u16>> {
+        let n = x.len() as i64;
+        let mut out = self.zeros::<u16>(x.len())?;
+        let mut launch = self.stream.launch_builder(&self.kernels.to_bf16);
+        launch.arg(x).arg(&mut out).arg(&n);
+        // SAFETY: x and out hold n elements each.
+        unsafe { launch.launch(grid_1d(n as usize)) }.map_err(gpu_error)?;
+        Ok(out)
+    }
+
     pub fn add_bias_rows(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> EngineResult<()> {
         let (n, dim) = (x.len() as i64, bias.len() as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.add_bias_rows);

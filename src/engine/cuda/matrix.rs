@@ -1,16 +1,19 @@
 //! Weight matrices on the GPU. The CPU's integer-kernel formats (Q8_0, Q4_0, Q4_1, Q5_0,
 //! Q5_1, Q4_K, Q5_K) stay in blocks of 32 (the CPU path's repacking: quants per output
 //! column, f32 scales and offsets beside them; a K-quant block's are d · sc and −dmin · m)
-//! and run through the integer-dot kernels on 8-bit activations, as on the CPU; every other
-//! format is dequantized to f32 at load and multiplied by cuBLAS.
+//! and run through the integer-dot kernels on 8-bit activations, as on the CPU; bf16 matrices
+//! stay bf16 and run cuBLAS's tensor-core GEMM on activations rounded to bf16 (f32 sums and
+//! output); every other format is dequantized to f32 at load and multiplied by cuBLAS sgemm.
 
 use super::gpu_error;
 use super::launch::Gpu;
 use crate::engine::qmatmul::{Int8Format, QWeight};
 use crate::error::{EngineError, EngineResult};
-use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 const BLOCK: usize = 32;
 
@@ -28,6 +31,8 @@ enum Weights {
     },
     /// Row-major `[n_out, k_in]`.
     Dense(CudaSlice<f32>),
+    /// Row-major `[n_out, k_in]` bf16 bits.
+    Bf16(CudaSlice<u16>),
 }
 
 /// A `[n_out, k_in]` weight matrix on the device.
@@ -74,7 +79,10 @@ impl DeviceMatrix {
                     },
                 }
             }
-            None => Weights::Dense(gpu.upload(&weight.dequantize())?),
+            None => match weight.bf16_bits() {
+                Some(bits) => Weights::Bf16(gpu.upload(&bits)?),
+                None => Weights::Dense(gpu.upload(&weight.dequantize())?),
+            },
         };
         Ok(Self {
             n_out: weight.n_out(),
@@ -83,8 +91,9 @@ impl DeviceMatrix {
         })
     }
 
+    /// Multiplied by cuBLAS on unquantized activations.
     pub fn is_dense(&self) -> bool {
-        matches!(self.weights, Weights::Dense(_))
+        matches!(self.weights, Weights::Dense(_) | Weights::Bf16(_))
     }
 
     /// `x [rows, k_in]` × Wᵢᵀ for matrices sharing one input (q/k/v; gate/up): the input is
@@ -199,6 +208,43 @@ impl DeviceMatrix {
                 };
                 // SAFETY: the shapes above match the buffers' lengths.
                 unsafe { blas.gemm(gemm, w, x, &mut out) }.map_err(gpu_error)?;
+            }
+            (Weights::Bf16(w), _) => {
+                let blas = blas.ok_or_else(|| {
+                    EngineError::Gpu("bf16 weights need cuBLAS, which was not loaded".into())
+                })?;
+                let x16 = gpu.to_bf16(x)?;
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                let (w_ptr, _w_record) = w.device_ptr(&gpu.stream);
+                let (x_ptr, _x_record) = x16.device_ptr(&gpu.stream);
+                let (out_ptr, _out_record) = out.device_ptr_mut(&gpu.stream);
+                // The column-major view of the f32 path; bf16 inputs, f32 output and sums.
+                // SAFETY: w holds n_out · k_in and x16 rows · k_in bf16 values, out rows · n_out
+                // floats; alpha and beta outlive the call, which only enqueues work.
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *blas.handle(),
+                        cublasOperation_t::CUBLAS_OP_T,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        self.n_out as i32,
+                        rows as i32,
+                        self.k_in as i32,
+                        &alpha as *const f32 as *const _,
+                        w_ptr as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        self.k_in as i32,
+                        x_ptr as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        self.k_in as i32,
+                        &beta as *const f32 as *const _,
+                        out_ptr as *mut _,
+                        cudaDataType_t::CUDA_R_32F,
+                        self.n_out as i32,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(gpu_error)?;
             }
             (_, None) => unreachable!("quantized weights always get quantized activations"),
         }

@@ -175,6 +175,14 @@ impl QWeight {
         }
     }
 
+    /// A bf16 matrix's values as raw bits, row-major `[n_out, k_in]` (the GPU's bf16 GEMM).
+    pub fn bf16_bits(&self) -> Option<Vec<u16>> {
+        match self.dense()? {
+            DenseMatrix::Bf16(values) => Some(values.iter().map(|v| v.to_bits()).collect()),
+            DenseMatrix::F32(_) | DenseMatrix::F16(_) => None,
+        }
+    }
+
     fn dense(&self) -> Option<&DenseMatrix> {
         match &self.storage {
             Storage::Dense(dense) => Some(dense),
