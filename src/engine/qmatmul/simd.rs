@@ -107,6 +107,21 @@ impl<const R: usize> RowTile<R> {
     }
 }
 
+/// How far ahead of the vector a tile loads it asks for the quants: columns are contiguous, so
+/// this reaches into the next columns' quants, which the hardware prefetcher does not fetch
+/// early enough when a column is only a few cache lines long.
+const PREFETCH_BYTES: usize = 4096;
+
+/// Asks for the quants `PREFETCH_BYTES` past `offset` in every column.
+#[inline(always)]
+fn prefetch_each<const C: usize>(quants: [*const u8; C], offset: usize) {
+    for q in quants {
+        let at = q.wrapping_add(offset + PREFETCH_BYTES);
+        // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at as *const i8) };
+    }
+}
+
 /// Bytes of group `group`'s vector `vector`, from the row start.
 #[inline(always)]
 fn vector_offset(group: Group, vector: usize) -> usize {
@@ -294,6 +309,9 @@ pub mod avx2 {
                     let mut dots = [[_mm256_setzero_si256(); R]; C];
                     for vector in part * split..(part + 1) * split {
                         let offset = vector_offset(group, vector) + 32 * half;
+                        if half == 0 {
+                            prefetch_each(quants, offset);
+                        }
                         let weights = quants.map(|q| _mm256_loadu_si256(q.add(offset).cast()));
                         let magnitudes = weights.map(|w| _mm256_sign_epi8(w, w));
                         for r in 0..R {
@@ -387,6 +405,9 @@ pub mod avx2 {
             |group, half, tile, dots| {
                 for vector in 0..group.vectors() {
                     let offset = vector_offset(group, vector) + 32 * half;
+                    if half == 0 {
+                        prefetch_each(quants, offset);
+                    }
                     let weights = quants.map(|q| _mm256_loadu_si256(q.add(offset).cast()));
                     let magnitudes = weights.map(|w| _mm256_sign_epi8(w, w));
                     for r in 0..R {
@@ -457,6 +478,11 @@ pub mod avx2 {
                         }
                     }
                 };
+                if half == 0 {
+                    for line in (0..group.blocks * 16).step_by(64) {
+                        prefetch_each(packed, line);
+                    }
+                }
                 if group.blocks == 2 {
                     let nibbles = packed.map(|p| {
                         let bytes = _mm256_loadu_si256(p.cast());
@@ -606,6 +632,7 @@ pub mod vnni {
                 let mut weight_sums = [_mm512_setzero_si512(); C];
                 for vector in part * split..(part + 1) * split {
                     let offset = vector_offset(group, vector);
+                    prefetch_each(quants, offset);
                     let weights = quants.map(|q| _mm512_loadu_si512(q.add(offset).cast()));
                     for c in 0..C {
                         weight_sums[c] = _mm512_dpbusd_epi32(weight_sums[c], ones, weights[c]);
@@ -707,6 +734,7 @@ pub mod vnni {
         groups::<R, C>(columns, x, first_row, out, stride, |group, tile, dots| {
             for vector in 0..group.vectors() {
                 let offset = vector_offset(group, vector);
+                prefetch_each(quants, offset);
                 let unsigned = quants
                     .map(|q| _mm512_xor_si512(_mm512_loadu_si512(q.add(offset).cast()), bias));
                 for r in 0..R {
@@ -736,6 +764,9 @@ pub mod vnni {
         let (low_mask, sixteen) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
         groups::<R, C>(columns, x, first_row, out, stride, |group, tile, dots| {
             let packed = quants.map(|q| q.add(group.first_block * 16));
+            for line in (0..group.blocks * 16).step_by(64) {
+                prefetch_each(packed, line);
+            }
             let mut add = |nibbles: [__m512i; C], vector: usize| {
                 let offset = vector_offset(group, vector);
                 let nibbles: [__m512i; C] = match FIVE {
