@@ -264,9 +264,20 @@ pub fn write_hf_dir(dir: &Path, spec: &TinySpec) -> PathBuf {
 
 /// llama.cpp's conversion permutes llama q/k rows so that rope rotates adjacent pairs.
 fn permute_for_gguf(t: &Tensor, heads: usize) -> Tensor {
+    swap_head_row_axes(t, heads, 2)
+}
+
+/// The inverse of `permute_for_gguf`.
+fn unpermute_from_gguf(t: &Tensor, heads: usize) -> Tensor {
+    let head_dim = t.dims2().unwrap().0 / heads;
+    swap_head_row_axes(t, heads, head_dim / 2)
+}
+
+/// Each head's rows seen as `[outer, head_dim / outer]`, transposed.
+fn swap_head_row_axes(t: &Tensor, heads: usize, outer: usize) -> Tensor {
     let (rows, cols) = t.dims2().unwrap();
     let head_dim = rows / heads;
-    t.reshape((heads, 2, head_dim / 2, cols))
+    t.reshape((heads, outer, head_dim / outer, cols))
         .unwrap()
         .transpose(1, 2)
         .unwrap()
@@ -564,18 +575,4 @@ pub fn hf_copy_of_gguf(gguf: &Path, dir: &Path) -> PathBuf {
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
     dir.to_path_buf()
-}
-
-/// The inverse of `permute_for_gguf`.
-fn unpermute_from_gguf(t: &Tensor, heads: usize) -> Tensor {
-    let (rows, cols) = t.dims2().unwrap();
-    let head_dim = rows / heads;
-    t.reshape((heads, head_dim / 2, 2, cols))
-        .unwrap()
-        .transpose(1, 2)
-        .unwrap()
-        .contiguous()
-        .unwrap()
-        .reshape((rows, cols))
-        .unwrap()
 }

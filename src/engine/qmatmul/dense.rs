@@ -235,6 +235,7 @@ pub(super) use x86::Wide;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::simd::horizontal_sum;
     use super::{Element, Tiles};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -417,14 +418,5 @@ mod x86 {
             // SAFETY: a prefetch is a hint; it never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(pass * pass_bytes + line)) };
         }
-    }
-
-    /// Lanes summed in one fixed order, the same for every row.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn horizontal_sum(v: __m256) -> f32 {
-        let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
     }
 }

@@ -22,7 +22,7 @@ use std::arch::x86_64::*;
 /// Lanes 0..8 summed as ((0+4)+(2+6)) + ((1+5)+(3+7)), the same for every row.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn horizontal_sum(v: __m256) -> f32 {
+pub(super) fn horizontal_sum(v: __m256) -> f32 {
     let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
     _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
