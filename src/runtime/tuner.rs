@@ -16,6 +16,7 @@ use crate::tuning::controller::{
 use crate::tuning::online::{fit_request_latency, RoutingEstimate};
 use crate::tuning::{search_bounded, AffineLatency, DtmcModel};
 use actix::prelude::*;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -50,7 +51,10 @@ pub(crate) struct TunerActor {
     live: LiveRequests,
     batchers: Vec<Addr<BatcherActor>>,
     routing: RoutingEstimate,
-    check: EagerCheck,
+    /// One eager check per live-request count: throughputs at different loads do not
+    /// compare, and a load that returns resumes its comparison (a fresh one starts with trials
+    /// of both arms, which cost throughput when one of them loses).
+    checks: BTreeMap<usize, EagerCheck>,
     /// The comparison as the runtime's snapshot reads it.
     published: Arc<Mutex<Option<ArmComparison>>>,
     metrics: ControllerMetrics,
@@ -75,7 +79,7 @@ impl TunerActor {
             live,
             batchers,
             routing: RoutingEstimate::new(models, ROUTING_ALPHA),
-            check: EagerCheck::new(EXPLOIT_PERIODS),
+            checks: BTreeMap::new(),
             published,
             metrics: ControllerMetrics::new(),
             period: (0, 0, Instant::now()),
@@ -90,27 +94,31 @@ impl TunerActor {
             .sum()
     }
 
-    /// Closes the period that just ran: its throughput goes to the arm it ran. A period
-    /// whose live-request count differs from the last one's starts the comparison over
-    /// (throughputs at different loads do not compare); one that committed fewer tokens
-    /// than requests are live was mostly prefill and is left out.
+    /// The eager check for `live` requests.
+    fn check(&mut self, live: usize) -> &mut EagerCheck {
+        self.checks
+            .entry(live)
+            .or_insert_with(|| EagerCheck::new(EXPLOIT_PERIODS))
+    }
+
+    /// Closes the period that just ran: its throughput goes to the arm it ran in its
+    /// live-request count's check. A period whose count changed is left out (the next runs
+    /// the new count's arm), as is one that committed fewer tokens than requests are live
+    /// (mostly prefill).
     fn close_period(&mut self) -> Arm {
         let (tokens, live, now) = (self.committed_tokens(), self.live.len(), Instant::now());
         let (start_tokens, start_live, start) =
             std::mem::replace(&mut self.period, (tokens, live, now));
         let seconds = (now - start).as_secs_f64();
-        if live != start_live || live == 0 || seconds <= 0.0 {
-            self.check.restart();
-            return self.check.running();
-        }
         let committed = tokens - start_tokens;
-        if committed < live as u64 {
-            return self.check.running();
+        if live != start_live || live == 0 || seconds <= 0.0 || committed < live as u64 {
+            return self.check(live).running();
         }
-        let ran = self.check.running();
-        let arm = self.check.period_ended(committed as f64, seconds);
+        let check = self.check(live);
+        let ran = check.running();
+        let arm = check.period_ended(committed as f64, seconds);
+        let comparison = check.comparison();
         tracing::debug!(?ran, committed, seconds, live, next = ?arm, "eager check period");
-        let comparison = self.check.comparison();
         self.metrics.compared(&comparison);
         *self.published.lock().unwrap_or_else(|e| e.into_inner()) = Some(comparison);
         arm
@@ -204,6 +212,25 @@ impl Actor for TunerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        lowest_priority_for_this_thread();
         ctx.run_interval(self.settings.interval, |act, _| act.retune());
+    }
+}
+
+/// The threshold search is background work beside the models' step threads: on a machine with
+/// a core per model, one search took up to 2.3 s of a core (dense pair, N = 8) and slowed
+/// the models it tunes. At the lowest priority it runs on what they leave idle.
+fn lowest_priority_for_this_thread() {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: plain system calls on the calling thread (Linux keeps a nice value per
+        // thread); a failure only leaves the priority as it was.
+        let failed = unsafe {
+            let thread = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, thread, 19) != 0
+        };
+        if failed {
+            tracing::debug!("the tuner keeps its thread's priority (setpriority failed)");
+        }
     }
 }

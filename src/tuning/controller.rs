@@ -30,6 +30,9 @@ pub fn thresholds_to_run(
     })
 }
 
+/// The most the periods between two trials grow to, as a multiple of the base.
+pub const MAX_EXPLOIT_FACTOR: usize = 8;
+
 /// Which thresholds a period runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -62,8 +65,13 @@ impl Measured {
 }
 
 pub struct EagerCheck {
-    /// Periods the winner runs between two trials.
+    /// Periods the winner runs between two trials after a change of winner.
+    base_exploit_periods: usize,
+    /// Periods the winner runs between the current trials: doubled, up to
+    /// `MAX_EXPLOIT_FACTOR` × the base, each cycle the same arm wins again, so an arm that
+    /// keeps losing is tried ever more rarely (its trials cost throughput).
     exploit_periods: usize,
+    last_winner: Option<Arm>,
     position: usize,
     running: Arm,
     tuned: Measured,
@@ -73,7 +81,9 @@ pub struct EagerCheck {
 impl EagerCheck {
     pub fn new(exploit_periods: usize) -> Self {
         Self {
+            base_exploit_periods: exploit_periods,
             exploit_periods,
+            last_winner: None,
             position: 0,
             running: Arm::Tuned,
             tuned: Measured::default(),
@@ -113,17 +123,22 @@ impl EagerCheck {
         measured.tokens += tokens;
         measured.seconds += seconds;
         self.position = (self.position + 1) % (2 + self.exploit_periods);
+        if self.position == 2 {
+            let winner = self.best();
+            self.exploit_periods = match self.last_winner == Some(winner) {
+                true => {
+                    (self.exploit_periods * 2).min(self.base_exploit_periods * MAX_EXPLOIT_FACTOR)
+                }
+                false => self.base_exploit_periods,
+            };
+            self.last_winner = Some(winner);
+        }
         self.running = match self.position {
             0 => Arm::Tuned,
             1 => Arm::Eager,
             _ => self.best(),
         };
         self.running
-    }
-
-    /// Forgets the measurements (the load changed).
-    pub fn restart(&mut self) {
-        *self = Self::new(self.exploit_periods);
     }
 }
 
@@ -146,9 +161,34 @@ mod tests {
         assert_eq!(comparison.choice, Arm::Tuned);
         assert_eq!(comparison.tuned_tokens_per_s, Some(700.0 / 3.0));
         assert_eq!(comparison.eager_tokens_per_s, Some(100.0));
-        check.restart();
-        assert_eq!(check.comparison().tuned_tokens_per_s, None);
-        assert_eq!(check.running(), Arm::Tuned);
+    }
+
+    /// An arm that keeps losing is tried ever more rarely: 3, 6, 12, then 24 periods (the cap)
+    /// between trials; a change of winner goes back to 3.
+    #[test]
+    fn trials_of_a_losing_arm_grow_rarer() {
+        let mut check = EagerCheck::new(3);
+        let mut gaps = Vec::new();
+        for _ in 0..5 {
+            assert_eq!(
+                check.period_ended(80.0, 1.0),
+                Arm::Eager,
+                "after the tuned trial"
+            );
+            let mut exploit = 0;
+            while check.period_ended(100.0, 1.0) == Arm::Eager {
+                exploit += 1;
+            }
+            gaps.push(exploit);
+        }
+        assert_eq!(gaps, [3, 6, 12, 24, 24]);
+        // The tuned arm now wins its trial by far: the winner changed, so the gap is 3 again.
+        assert_eq!(check.period_ended(10_000.0, 1.0), Arm::Eager);
+        let arms: Vec<Arm> = (0..5).map(|_| check.period_ended(100.0, 1.0)).collect();
+        assert_eq!(
+            arms,
+            [Arm::Tuned, Arm::Tuned, Arm::Tuned, Arm::Tuned, Arm::Eager]
+        );
     }
 
     fn predicted(throughput: f64) -> Prediction {
