@@ -31,7 +31,7 @@ pub fn thresholds_to_run(
 }
 
 /// The most the periods between two trials grow to, as a multiple of the base.
-pub const MAX_EXPLOIT_FACTOR: usize = 8;
+const MAX_EXPLOIT_FACTOR: usize = 8;
 
 /// Which thresholds a period runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

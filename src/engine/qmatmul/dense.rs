@@ -6,7 +6,7 @@
 //! all its rows. Every (row, column) keeps one vector accumulator over the whole row, reduced
 //! in one fixed order, so a row's result never depends on its tile (batched == unbatched).
 
-use super::int8::Kernel;
+use super::int8::{Kernel, ROW_CHUNK};
 use candle_core::quantized::GgmlDType;
 use half::{bf16, f16};
 
@@ -68,9 +68,6 @@ impl Element for bf16 {
         self.to_f32()
     }
 }
-
-/// Rows handled per pass over a column range: they stay in L1/L2 while the columns stream.
-const ROW_CHUNK: usize = 64;
 
 /// Columns per tile: four weight streams share each activation load. With four rows the
 /// AVX-512 tile holds 16 accumulators, 4 activation vectors and a weight vector in its 32
@@ -235,7 +232,7 @@ pub(super) use x86::Wide;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::simd::horizontal_sum;
+    use super::super::simd::{horizontal_sum, prefetch};
     use super::{Element, Tiles};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -293,7 +290,7 @@ mod x86 {
     }
 
     /// Dispatches a run-time tile shape to its constant-size tile; `None` for a shape outside
-    /// `rows ∈ {1, 2, 4}`, `columns ∈ 1..=C_MAX`.
+    /// `rows ∈ {1, 2, 4}` and the listed column counts.
     macro_rules! shapes {
         ($tile:ident, $tiles:expr, $first:expr, $row:expr, $out:expr, $rows:expr, $cols:expr,
          [$($c:literal),+]) => {
@@ -413,10 +410,9 @@ mod x86 {
         let ahead = tiles
             .weights
             .as_ptr()
-            .wrapping_add((first + 2 * C) * tiles.k_in) as *const i8;
+            .wrapping_add((first + 2 * C) * tiles.k_in) as *const u8;
         for line in (0..pass_bytes).step_by(64) {
-            // SAFETY: a prefetch is a hint; it never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(pass * pass_bytes + line)) };
+            prefetch(ahead.wrapping_add(pass * pass_bytes + line));
         }
     }
 }

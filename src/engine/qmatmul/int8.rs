@@ -691,9 +691,9 @@ macro_rules! column_tile {
 /// Rows a chunk needs before the VNNI kernel takes two columns per tile (see `columns`).
 const TWO_COLUMN_MIN_ROWS: usize = 8;
 
-/// Rows handled per pass over a column range: their quants stay in L1/L2 while the columns'
-/// weights stream past.
-const ROW_CHUNK: usize = 64;
+/// Activation rows handled per pass over a column range (here and in the dense kernels): they
+/// stay in L1/L2 while the columns' weights stream past.
+pub(super) const ROW_CHUNK: usize = 64;
 
 /// Dot products of weight rows (output columns) `first_col..` with every activation row, into
 /// `out` laid out `[rows, columns]`.

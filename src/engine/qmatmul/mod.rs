@@ -75,22 +75,12 @@ impl QWeight {
                 storage: Storage::Int8(packed),
             });
         }
-        let dense = match dtype {
-            GgmlDType::F32 => Some(DenseMatrix::F32(typed(&data))),
-            GgmlDType::F16 => Some(DenseMatrix::F16(typed(&data))),
-            GgmlDType::BF16 => Some(DenseMatrix::Bf16(typed(&data))),
-            _ => None,
-        };
-        if let Some(dense) = dense {
-            return Ok(Self {
-                n_out,
-                k_in,
-                storage: Storage::Dense(dense),
-            });
-        }
-        let blocks = match dtype {
-            GgmlDType::Q2K => Blocks::Q2K(typed(&data)),
-            GgmlDType::Q3K => Blocks::Q3K(typed(&data)),
+        let storage = match dtype {
+            GgmlDType::F32 => Storage::Dense(DenseMatrix::F32(typed(&data))),
+            GgmlDType::F16 => Storage::Dense(DenseMatrix::F16(typed(&data))),
+            GgmlDType::BF16 => Storage::Dense(DenseMatrix::Bf16(typed(&data))),
+            GgmlDType::Q2K => Storage::Ggml(Blocks::Q2K(typed(&data))),
+            GgmlDType::Q3K => Storage::Ggml(Blocks::Q3K(typed(&data))),
             other => {
                 return Err(EngineError::UnsupportedDType {
                     tensor: name.to_string(),
@@ -101,7 +91,7 @@ impl QWeight {
         Ok(Self {
             n_out,
             k_in,
-            storage: Storage::Ggml(blocks),
+            storage,
         })
     }
 

@@ -116,10 +116,15 @@ const PREFETCH_BYTES: usize = 4096;
 #[inline(always)]
 fn prefetch_each<const C: usize>(quants: [*const u8; C], offset: usize) {
     for q in quants {
-        let at = q.wrapping_add(offset + PREFETCH_BYTES);
-        // SAFETY: a prefetch is a hint; it never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at as *const i8) };
+        prefetch(q.wrapping_add(offset + PREFETCH_BYTES));
     }
+}
+
+/// Asks for the cache line at `at` (any address: a prefetch is a hint and never faults).
+#[inline(always)]
+pub(super) fn prefetch<T>(at: *const T) {
+    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at as *const i8) };
 }
 
 /// Bytes of group `group`'s vector `vector`, from the row start.
