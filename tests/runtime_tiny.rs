@@ -294,11 +294,17 @@ async fn a_shared_system_prompt_is_prefilled_once_per_model_and_stays_cached() {
         }
         wait_for_zero_kv(&rt).await;
         for m in rt.snapshot().models {
-            // Past the system prompt a request brings at most its question and its tokens:
-            // computing the 200 shared tokens twice would exceed this.
+            // Past the system prompt a request brings at most its question and its tokens.
+            // In `standard` a return is a new request: where its own blocks were evicted
+            // meanwhile (512 tokens of KV for 8 requests) it computes them again, so there the
+            // bound is only that the 200 shared tokens are not computed twice.
             let own: usize = prompts.iter().map(|p| p.len() - 200 + max_tokens).sum();
+            let bound = match mode {
+                ExecutionMode::Standard => 2 * 200 + own - 1,
+                _ => 200 + own,
+            };
             assert!(
-                m.tokens_processed as usize <= 200 + own,
+                m.tokens_processed as usize <= bound,
                 "{mode:?} {}: {} tokens processed",
                 m.name,
                 m.tokens_processed
