@@ -11,7 +11,8 @@ mod validate;
 
 use std::time::Duration;
 use tokenrouter::config::ExecutionMode;
-use tokenrouter::runtime::Runtime;
+use tokenrouter::engine::SamplingParams;
+use tokenrouter::runtime::{GenerateRequest, Runtime};
 use tokenrouter::tuning::{paper, predict};
 use validate::{best_per_n, endless, measure, paper_config, ValidationRow};
 
@@ -42,6 +43,43 @@ async fn the_timeout_bounds_admission_when_the_threshold_can_never_fill() {
         "worst admission delay {worst_ms:.1} ms > {bound_ms:.1} ms"
     );
     drop(handles);
+    rt.shutdown();
+}
+
+/// A request held at a gate because another live request is elsewhere is released as soon as
+/// that one ends (every live request is then here), not at the timeout.
+#[actix_rt::test]
+async fn a_request_ending_elsewhere_releases_the_batch_waiting_for_it() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let rt = Runtime::start(
+        &paper_config(100, 5000, 0),
+        Some(ExecutionMode::Tokenrouter),
+    )
+    .unwrap();
+    let on = |policy: &str, max_tokens: usize| {
+        rt.submit(GenerateRequest {
+            prompt: vec![1, 2, 3],
+            policy: Some(policy.into()),
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            timeout: None,
+            ignore_eos: true,
+        })
+        .unwrap()
+    };
+    // The small model's request is live while the large one's waits for it (B = 100).
+    let short = on("small", 4);
+    let waiting = on("large", 2);
+    short.collect().await.unwrap();
+    let started = std::time::Instant::now();
+    waiting.collect().await.unwrap();
+    let releases = rt.snapshot().models[1].releases;
+    assert_eq!(releases.timeout, 0, "{releases:?}");
+    assert!(releases.all_here >= 1, "{releases:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "waited for the timeout"
+    );
     rt.shutdown();
 }
 

@@ -113,8 +113,10 @@ impl Handler<SetThreshold> for BatcherActor {
 impl Handler<Withdraw> for BatcherActor {
     type Result = ();
 
-    fn handle(&mut self, msg: Withdraw, _ctx: &mut Context<Self>) {
+    /// A request ended: fewer live requests may mean every one left is here now.
+    fn handle(&mut self, msg: Withdraw, ctx: &mut Context<Self>) {
         self.gate.withdraw(msg.rid);
         self.recorder.waiting(self.gate.waiting());
+        self.try_release(ctx);
     }
 }
