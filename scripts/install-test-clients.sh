@@ -5,6 +5,7 @@
 #                authors do for scripts/convert-router.py's test; PyPI's Linux torch is the
 #                CUDA build (~5 GB with its nvidia-* wheels, ~3.5 min here) and runs on a CPU
 #   prometheus   Debian's Prometheus server (apt; needs root)
+#   nats-server  Debian's NATS server, the bus of the multi-process tests (apt; needs root)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -21,12 +22,16 @@ if ! .venv-torch/bin/python -c "import torch, safetensors, numpy" 2>/dev/null; t
         "torch==${TORCH_VERSION}" "safetensors==0.8.0" "numpy==2.4.6"
 fi
 
-if ! command -v prometheus >/dev/null; then
+# Installs Debian package $2 unless command $1 exists.
+apt_install() {
+    command -v "$1" >/dev/null && return
     if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-        echo "error: Prometheus is missing; install Debian's \`prometheus\` package (needs root)" >&2
+        echo "error: $1 is missing; install Debian's \`$2\` package (needs root)" >&2
         exit 1
     fi
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
-        || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
-fi
+    apt-get install -y -qq --no-install-recommends "$2" >/dev/null \
+        || { apt-get update -qq && apt-get install -y -qq --no-install-recommends "$2" >/dev/null; }
+}
+apt_install prometheus prometheus
+apt_install nats-server nats-server

@@ -69,6 +69,111 @@ pub struct Config {
     pub tuning: Option<TuningConfig>,
     #[serde(default)]
     pub server: ServerConfig,
+    /// The NATS bus between processes, when some model runs in a `tokenrouter worker`.
+    #[serde(default)]
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// `[cluster]`: how this process reaches the others (docs/deployment.md).
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// The NATS server, e.g. `nats://10.0.0.5:4222` (`tls://` for TLS).
+    pub url: String,
+    /// The server's auth token. Prefer `token_env`: a config file is often readable by more
+    /// people than the process's environment.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Environment variable holding the token, read when `token` is absent.
+    #[serde(default = "default_token_env")]
+    pub token_env: String,
+    /// Subjects start with this, so several deployments can share one NATS server.
+    #[serde(default = "default_subject_prefix")]
+    pub subject_prefix: String,
+    /// Every process hosting a model says so this often; a model is down after three
+    /// missed beats.
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// How long a process waits at start for the models it does not host to announce
+    /// themselves.
+    #[serde(default = "default_join_timeout_ms")]
+    pub join_timeout_ms: u64,
+    /// PEM file of the CA that signed the server's certificate; turns TLS on.
+    #[serde(default)]
+    pub tls_ca: Option<PathBuf>,
+}
+
+/// Never prints the token.
+impl std::fmt::Debug for ClusterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterConfig")
+            .field("url", &self.url)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("token_env", &self.token_env)
+            .field("subject_prefix", &self.subject_prefix)
+            .field("heartbeat_ms", &self.heartbeat_ms)
+            .field("join_timeout_ms", &self.join_timeout_ms)
+            .field("tls_ca", &self.tls_ca)
+            .finish()
+    }
+}
+
+impl ClusterConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let field = |f: &str, why: &str| Err(ConfigError::Invalid(format!("cluster.{f}: {why}")));
+        if self.url.trim().is_empty() {
+            return field(
+                "url",
+                "must name the NATS server, e.g. nats://127.0.0.1:4222",
+            );
+        }
+        let subject_token_ok = |t: &str| {
+            !t.is_empty() && !t.contains(|c: char| c.is_whitespace() || "*>.".contains(c))
+        };
+        if !self.subject_prefix.split('.').all(subject_token_ok) {
+            return field(
+                "subject_prefix",
+                "must be dot-separated NATS subject tokens without spaces, `*` or `>`",
+            );
+        }
+        if self.heartbeat_ms == 0 {
+            return field("heartbeat_ms", "must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The token from the config, else from `token_env`.
+    pub fn token(&self) -> Option<String> {
+        self.token
+            .clone()
+            .or_else(|| std::env::var(&self.token_env).ok())
+            .filter(|t| !t.is_empty())
+    }
+}
+
+fn default_token_env() -> String {
+    "TOKENROUTER_NATS_TOKEN".into()
+}
+
+fn default_subject_prefix() -> String {
+    "tokenrouter".into()
+}
+
+fn default_heartbeat_ms() -> u64 {
+    1000
+}
+
+fn default_join_timeout_ms() -> u64 {
+    60_000
+}
+
+/// Which process runs a model: `tokenrouter serve` itself, or a `tokenrouter worker`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    #[default]
+    Local,
+    Remote,
 }
 
 /// `tokenrouter serve`: where it listens and what it accepts.
@@ -394,6 +499,9 @@ pub struct ModelConfig {
     /// absent: from the step profile (see `StepProfile::token_budget`), else unlimited.
     #[serde(default)]
     pub step_token_budget: Option<TokenBudget>,
+    /// Where `tokenrouter serve` runs it; `remote` needs `[cluster]` and a worker hosting it.
+    #[serde(default)]
+    pub placement: Placement,
 }
 
 /// A model's configured step cost: L(b) = a + c·b ms for b decode rows, and what each
@@ -572,7 +680,10 @@ impl Config {
             )));
         };
         let config = Config {
-            models: vec![found.clone()],
+            models: vec![ModelConfig {
+                placement: Placement::Local,
+                ..found.clone()
+            }],
             runtime: RuntimeConfig {
                 mode: ExecutionMode::Async,
                 default_policy: Some(model.to_string()),
@@ -581,6 +692,7 @@ impl Config {
             policies: Vec::new(),
             tuning: None,
             server: self.server.clone(),
+            cluster: None,
         };
         config.validate()?;
         Ok(config)
@@ -658,6 +770,26 @@ impl Config {
                     )));
                 }
             }
+        }
+        if let Some(remote) = self
+            .models
+            .iter()
+            .find(|m| m.placement == Placement::Remote)
+        {
+            let Some(cluster) = &self.cluster else {
+                return Err(ConfigError::Invalid(format!(
+                    "models.{}.placement = \"remote\" needs a [cluster] section with the NATS url",
+                    remote.name
+                )));
+            };
+            if self.runtime.mode == ExecutionMode::Lockstep {
+                return Err(ConfigError::Invalid(format!(
+                    "runtime.mode = \"lockstep\" steps one model at a time under one lock, which \
+                     cannot span processes; model `{}` is remote",
+                    remote.name
+                )));
+            }
+            cluster.validate()?;
         }
         if let Some(t) = &self.tuning {
             let m = self.models.len();

@@ -32,6 +32,8 @@ struct Cli {
 enum Command {
     /// Serve the OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Host models for the front ends on the `[cluster]` bus (docs/deployment.md).
+    Worker(WorkerArgs),
     /// Generate text for one prompt.
     Generate(GenerateArgs),
     /// Benchmarks.
@@ -124,6 +126,15 @@ struct ServeArgs {
     /// (the `std-serving` baseline of `bench routing` runs one per model).
     #[arg(long)]
     model: Option<String>,
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// A configured model to host (repeat for several).
+    #[arg(long = "model", required = true)]
+    models: Vec<String>,
 }
 
 #[derive(Args)]
@@ -438,6 +449,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => run_serve(args),
+        Command::Worker(args) => run_worker(args),
         Command::Generate(args) => run_generate(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Pair(args)) => run_bench_pair(args),
@@ -495,6 +507,24 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         config.server.port = port;
     }
     actix_web::rt::System::new().block_on(tokenrouter::server::serve(config, args.config.config))
+}
+
+/// Hosts the models until SIGTERM or SIGINT; the front ends see its heartbeats stop.
+fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
+    let config = ready_config(&args.config)?;
+    actix::System::new().block_on(async move {
+        let runtime = Runtime::start_worker(&config, &args.models)?;
+        tracing::info!(models = ?args.models, "worker hosting");
+        let mut terminate =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        }
+        tracing::info!("worker stopping");
+        runtime.shutdown();
+        Ok(())
+    })
 }
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {

@@ -26,7 +26,9 @@ pub enum PolicyError {
 pub type ModelIdx = usize;
 
 /// A request's id, unique within one runtime; ids grow in submission order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct RequestId(pub u64);
 
 impl std::fmt::Display for RequestId {
@@ -46,8 +48,9 @@ pub enum Route {
     RejectAndSwitch(ModelIdx),
 }
 
-/// A request's routing state: it travels with the request between model actors.
-#[derive(Debug, Clone)]
+/// A request's routing state: it travels with the request between model actors (and over
+/// the cluster bus).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RoutingState {
     pub rid: RequestId,
     /// Committed tokens: prompt, then generated.
@@ -95,7 +98,7 @@ pub struct StepView<'a> {
 }
 
 /// What `send` hands to the target model: the tokens it has not seen, from `anchor` on.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Handoff {
     pub from: ModelIdx,
     pub to: ModelIdx,

@@ -4,7 +4,7 @@
 
 use super::core::{BatchGate, GateDecision};
 use super::live::LiveRequests;
-use super::messages::{Admit, ModelIdle, Release, Request, SetThreshold, Withdraw};
+use super::messages::{Admit, FreeRequest, ModelIdle, Release, Request, SetThreshold, Withdraw};
 use super::model::ModelActor;
 use super::record::ModelRecorder;
 use actix::prelude::*;
@@ -116,6 +116,9 @@ impl Handler<Withdraw> for BatcherActor {
     /// A request ended: fewer live requests may mean every one left is here now.
     fn handle(&mut self, msg: Withdraw, ctx: &mut Context<Self>) {
         self.gate.withdraw(msg.rid);
+        if let Some(model) = &self.model {
+            model.do_send(FreeRequest { rid: msg.rid });
+        }
         self.recorder.waiting(self.gate.waiting());
         self.try_release(ctx);
     }

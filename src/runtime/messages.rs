@@ -3,12 +3,13 @@
 use super::core::{
     EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RoutingStats, TokenLogprobs,
 };
-use super::request::RequestActor;
+use super::link::Client;
 use crate::policy::ModelIdx;
 use actix::prelude::*;
 
-/// A request in flight between the actors: its client is its request actor.
-pub(crate) type Request = InFlight<Addr<RequestActor>>;
+/// A request in flight between the actors: its client is its request actor, here or in the
+/// front end that owns it.
+pub(crate) type Request = InFlight<Client>;
 
 /// Arrivals at a model's batcher: a new request, or every handoff one step sent there. A step's
 /// handoffs to one model travel together so the batcher judges its threshold on all of them
@@ -64,14 +65,15 @@ pub(crate) struct Failed {
     pub kind: FailureKind,
 }
 
-/// Request → every model: drop this request's KV and residency (finish, cancel, failure).
+/// Batcher → its model: drop this request's KV and residency (finish, cancel, failure).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct FreeRequest {
     pub rid: RequestId,
 }
 
-/// Request → every batcher: forget a waiting arrival of this request.
+/// Request → every model's batcher: forget a waiting arrival of this request, and have the
+/// model free it.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Withdraw {

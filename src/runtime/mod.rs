@@ -4,7 +4,9 @@
 //! request's path and the four execution modes.
 
 mod batcher;
+mod cluster;
 pub(crate) mod core;
+mod link;
 mod live;
 mod messages;
 mod model;
@@ -12,10 +14,12 @@ mod record;
 mod request;
 mod system;
 mod tuner;
+mod wire;
 
 pub use self::core::{
     EngineTiming, FailureKind, FinishReason, ReleaseReason, RequestId, RoutingStats, TokenLogprobs,
 };
+pub use cluster::ClusterError;
 pub use record::{ModelSnapshot, Releases, RuntimeSnapshot, StepInterval};
 pub use request::RequestEvent;
 pub use system::{

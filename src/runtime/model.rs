@@ -5,12 +5,10 @@
 
 use super::batcher::BatcherActor;
 use super::core::{Effect, ModelScheduler, Sampled, StepPlan, TokenLogprobs};
+use super::link::{Client, ModelLink};
 use super::live::LiveRequests;
-use super::messages::{
-    Admit, Committed, Failed, Finished, FreeRequest, ModelIdle, Release, Request,
-};
+use super::messages::{Committed, Failed, Finished, FreeRequest, ModelIdle, Release, Request};
 use super::record::{ModelRecorder, StepInterval};
-use super::request::RequestActor;
 use crate::config::ExecutionMode;
 use crate::engine::{StepExecutor, StepOutput};
 use crate::policy::ModelIdx;
@@ -24,10 +22,10 @@ pub(crate) struct ModelActor {
     idx: ModelIdx,
     name: String,
     executor: Box<dyn StepExecutor>,
-    scheduler: ModelScheduler<Addr<RequestActor>>,
+    scheduler: ModelScheduler<Client>,
     batcher: Addr<BatcherActor>,
-    /// Every model's batcher, by model index (handoff targets).
-    peers: Vec<Addr<BatcherActor>>,
+    /// Every model, by index (handoff targets).
+    peers: Vec<ModelLink>,
     live: LiveRequests,
     recorder: ModelRecorder,
     /// `lockstep`: one step at a time across all models.
@@ -43,7 +41,8 @@ pub(crate) struct ModelActorParts {
     pub idx: ModelIdx,
     pub executor: Box<dyn StepExecutor>,
     pub mode: ExecutionMode,
-    pub peers: Vec<Addr<BatcherActor>>,
+    pub batcher: Addr<BatcherActor>,
+    pub peers: Vec<ModelLink>,
     pub live: LiveRequests,
     pub recorder: ModelRecorder,
     pub global_step_lock: Option<Arc<Mutex<()>>>,
@@ -67,7 +66,7 @@ impl ModelActor {
             ),
             name,
             model_names: parts.model_names,
-            batcher: parts.peers[parts.idx].clone(),
+            batcher: parts.batcher,
             executor: parts.executor,
             peers: parts.peers,
             live: parts.live,
@@ -97,7 +96,7 @@ impl ModelActor {
 
     /// Sends the scheduler's effects on their way; a step's handoffs to one model travel
     /// together.
-    fn carry_out(&self, effects: Vec<Effect<Addr<RequestActor>>>) {
+    fn carry_out(&self, effects: Vec<Effect<Client>>) {
         let mut leaving: BTreeMap<ModelIdx, Vec<Request>> = BTreeMap::new();
         for effect in effects {
             match effect {
@@ -108,7 +107,7 @@ impl ModelActor {
                     policy,
                 } => {
                     self.recorder.committed(policy.name());
-                    client.do_send(Committed {
+                    client.committed(Committed {
                         token,
                         model: self.idx,
                         logprobs,
@@ -120,7 +119,7 @@ impl ModelActor {
                     stats,
                     timing,
                     prompt_tokens,
-                } => client.do_send(Finished {
+                } => client.finished(Finished {
                     reason,
                     stats,
                     timing,
@@ -132,7 +131,7 @@ impl ModelActor {
                     kind,
                 } => {
                     tracing::debug!(model = %self.name, %message, "request failed");
-                    client.do_send(Failed { message, kind });
+                    client.failed(Failed { message, kind });
                 }
                 Effect::HandOff { to, request } => {
                     self.recorder
@@ -142,7 +141,7 @@ impl ModelActor {
             }
         }
         for (to, arrivals) in leaving {
-            self.peers[to].do_send(Admit(arrivals));
+            self.peers[to].admit(arrivals);
         }
     }
 

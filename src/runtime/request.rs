@@ -2,13 +2,12 @@
 //! to the client stream, enforces the deadline, and on finish, cancel or failure makes every
 //! model and batcher drop the request.
 
-use super::batcher::BatcherActor;
 use super::core::{
     EngineTiming, FailureKind, FinishReason, RequestId, RoutingStats, TokenLogprobs,
 };
+use super::link::{FrontendRequests, ModelLink};
 use super::live::LiveRequests;
-use super::messages::{Admit, Cancel, Committed, Failed, Finished, FreeRequest, Start, Withdraw};
-use super::model::ModelActor;
+use super::messages::{Cancel, Committed, Failed, Finished, Start};
 use crate::policy::ModelIdx;
 use crate::telemetry::{RequestMetrics, RequestStatus};
 use actix::prelude::*;
@@ -39,9 +38,11 @@ pub enum RequestEvent {
 pub(crate) struct RequestActor {
     rid: RequestId,
     events: UnboundedSender<RequestEvent>,
-    models: Vec<Addr<ModelActor>>,
-    batchers: Vec<Addr<BatcherActor>>,
+    /// Every model, by index: where the request starts and who frees it at the end.
+    models: Vec<ModelLink>,
     live: LiveRequests,
+    /// This process's requests, when a bus carries events for them from other processes.
+    frontend: Option<FrontendRequests>,
     /// Open for the request's whole life: `RUST_LOG=debug` shows its events and its close.
     span: tracing::Span,
     deadline: Option<Duration>,
@@ -58,9 +59,9 @@ impl RequestActor {
         rid: RequestId,
         policy: &str,
         events: UnboundedSender<RequestEvent>,
-        models: Vec<Addr<ModelActor>>,
-        batchers: Vec<Addr<BatcherActor>>,
+        models: Vec<ModelLink>,
         live: LiveRequests,
+        frontend: Option<FrontendRequests>,
         deadline: Option<Duration>,
     ) -> Self {
         Self {
@@ -68,8 +69,8 @@ impl RequestActor {
             rid,
             events,
             models,
-            batchers,
             live,
+            frontend,
             deadline,
             metrics: RequestMetrics::new(policy),
             submitted: Instant::now(),
@@ -81,7 +82,9 @@ impl RequestActor {
     fn fail(&mut self, kind: FailureKind, message: String, ctx: &mut Context<Self>) {
         self.status = match kind {
             FailureKind::Deadline => RequestStatus::Deadline,
-            FailureKind::Fault | FailureKind::Capacity => RequestStatus::Failed,
+            FailureKind::Fault | FailureKind::Capacity | FailureKind::Unavailable => {
+                RequestStatus::Failed
+            }
         };
         tracing::debug!(parent: &self.span, ?kind, %message, "failed");
         let _ = self.events.send(RequestEvent::Failed { message, kind });
@@ -104,17 +107,17 @@ impl Actor for RequestActor {
         }
     }
 
-    /// Whatever ended the request, every model frees its KV and every batcher forgets it.
+    /// Whatever ended the request, every model's batcher forgets it and the model frees its KV.
     fn stopped(&mut self, _ctx: &mut Context<Self>) {
         let seconds = self.submitted.elapsed().as_secs_f64();
         tracing::debug!(parent: &self.span, status = self.status.as_str(), seconds, "ended");
         self.metrics.ended(self.status, seconds);
         self.live.remove(self.rid);
-        for model in &self.models {
-            model.do_send(FreeRequest { rid: self.rid });
+        if let Some(frontend) = &self.frontend {
+            frontend.remove(self.rid);
         }
-        for batcher in &self.batchers {
-            batcher.do_send(Withdraw { rid: self.rid });
+        for model in &self.models {
+            model.withdraw(self.rid);
         }
     }
 }
@@ -125,7 +128,7 @@ impl Handler<Start> for RequestActor {
     fn handle(&mut self, msg: Start, _ctx: &mut Context<Self>) {
         let entry = msg.0.state.current;
         tracing::debug!(parent: &self.span, prompt_tokens = msg.0.state.prompt_len, entry, "started");
-        self.batchers[entry].do_send(Admit(vec![msg.0]));
+        self.models[entry].admit(vec![msg.0]);
     }
 }
 

@@ -2,17 +2,20 @@
 //! that the CLI, the server and the bench call. Must be used inside a running actix System.
 
 use super::batcher::{AttachModel, BatcherActor};
+use super::cluster::{Bus, ClusterError};
 use super::core::{
     BatchGate, EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RequestParams,
     RoutingStats,
 };
+use super::link::{BusSide, Client, FrontendRequests, HostedModel, ModelLink, RemoteModel};
 use super::live::LiveRequests;
 use super::messages::{Cancel, Start};
 use super::model::{ModelActor, ModelActorParts};
 use super::record::{ModelRecorder, RuntimeSnapshot};
 use super::request::{RequestActor, RequestEvent};
 use super::tuner::{TunerActor, TunerSettings};
-use crate::config::{Config, ExecutionMode, ModelConfig, PolicyUpdate};
+use super::wire::{self, ModelFacts};
+use crate::config::{Config, ExecutionMode, ModelConfig, Placement, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{load_executor, SamplingParams, StepExecutor};
@@ -47,16 +50,22 @@ pub enum RuntimeError {
     DeadlineExceeded(String),
     #[error("the runtime stopped before the request finished")]
     Disconnected,
+    /// A model's process stopped answering; the same request may succeed on a retry.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
 }
 
 impl RuntimeError {
     pub fn failed(kind: FailureKind, message: String) -> Self {
         match kind {
             FailureKind::Fault => RuntimeError::Failed(message),
+            FailureKind::Unavailable => RuntimeError::Unavailable(message),
             FailureKind::Capacity => RuntimeError::Overloaded(message),
             FailureKind::Deadline => RuntimeError::DeadlineExceeded(message),
         }
@@ -202,22 +211,19 @@ impl Drop for RequestHandle {
     }
 }
 
-struct ModelSlot {
-    name: String,
-    model: Addr<ModelActor>,
-    batcher: Addr<BatcherActor>,
-    arbiter: Arbiter,
-}
-
 pub struct Runtime {
-    slots: Vec<ModelSlot>,
+    /// Every model, by index: its batcher here, or its host on the bus.
+    models: Vec<ModelLink>,
+    model_names: Vec<String>,
+    /// One per model hosted in this process.
+    model_arbiters: Vec<Arbiter>,
     batch_arbiter: Arbiter,
     /// The online tuner's thread (`tokenrouter` mode with re-tuning on).
     tuner_arbiter: Option<Arbiter>,
     /// The tuner's eager check, as last published.
     controller: Arc<Mutex<Option<ArmComparison>>>,
     /// Swapped whole at run time; a request keeps the policy it started with.
-    policies: ArcSwap<PolicyRegistry>,
+    policies: Arc<ArcSwap<PolicyRegistry>>,
     /// The config the registry was built from; updates apply to it and are validated whole.
     config: Mutex<Config>,
     hidden_sizes: Vec<usize>,
@@ -230,16 +236,73 @@ pub struct Runtime {
     tokenizer: Option<Arc<ModelTokenizer>>,
     eos: Arc<BTreeSet<u32>>,
     live: LiveRequests,
+    /// This process's requests, when some model is hosted elsewhere (`[cluster]`).
+    frontend: Option<FrontendRequests>,
+    bus: Option<Bus>,
     next_rid: AtomicU64,
     recorders: Vec<ModelRecorder>,
     mode: ExecutionMode,
 }
 
+/// Which models this process runs, and whether it takes requests.
+enum Role {
+    /// `serve`, `generate`, the benches: hosts the models placed `local`, takes requests.
+    Frontend,
+    /// `tokenrouter worker`: hosts the named models for the front ends on the bus.
+    Worker,
+}
+
 impl Runtime {
-    /// Loads every configured model and starts its actors. `mode` overrides the config's.
+    /// Loads every model placed in this process and starts its actors; models placed
+    /// `remote` are reached over the `[cluster]` bus. `mode` overrides the config's.
     pub fn start(config: &Config, mode: Option<ExecutionMode>) -> Result<Self, RuntimeError> {
+        let hosted = config
+            .models
+            .iter()
+            .map(|m| m.placement == Placement::Local)
+            .collect();
+        Self::start_hosting(config, mode, hosted, Role::Frontend)
+    }
+
+    /// `tokenrouter worker`: hosts `models` (by name) for the front ends on the config's bus.
+    pub fn start_worker(config: &Config, models: &[String]) -> Result<Self, RuntimeError> {
+        if config.cluster.is_none() {
+            return Err(ConfigError::Invalid(
+                "a worker needs a [cluster] section with the NATS url".into(),
+            )
+            .into());
+        }
+        let mut hosted = vec![false; config.models.len()];
+        for name in models {
+            let idx = config.model_index(name).ok_or_else(|| {
+                RuntimeError::UnknownPolicy(format!("{name} (no such model in the config)"))
+            })?;
+            hosted[idx] = true;
+        }
+        if !hosted.contains(&true) {
+            return Err(RuntimeError::InvalidRequest(
+                "a worker must host at least one model (--model NAME)".into(),
+            ));
+        }
+        Self::start_hosting(config, None, hosted, Role::Worker)
+    }
+
+    fn start_hosting(
+        config: &Config,
+        mode: Option<ExecutionMode>,
+        hosted: Vec<bool>,
+        role: Role,
+    ) -> Result<Self, RuntimeError> {
         let latency_priors = config.latency_priors_ms()?;
         let mode = mode.unwrap_or(config.runtime.mode);
+        let everything_here = hosted.iter().all(|&h| h);
+        if !everything_here && mode == ExecutionMode::Lockstep {
+            return Err(RuntimeError::InvalidRequest(
+                "lockstep mode steps one model at a time under one lock, which cannot span \
+                 processes: it needs every model in this process"
+                    .into(),
+            ));
+        }
         let tokenizer = match config
             .models
             .iter()
@@ -257,16 +320,22 @@ impl Runtime {
         let mut executors = config
             .models
             .iter()
-            .map(|m| -> Result<Box<dyn StepExecutor>, RuntimeError> {
-                Ok(match m.latency_profile_ms {
-                    Some(latency) => {
-                        Box::new(LatencyProfileExecutor::new(&m.name, latency, m.kv_tokens))
+            .zip(&hosted)
+            .map(
+                |(m, &here)| -> Result<Option<Box<dyn StepExecutor>>, RuntimeError> {
+                    if !here {
+                        return Ok(None);
                     }
-                    None => load_executor(m)?,
-                })
-            })
+                    Ok(Some(match m.latency_profile_ms {
+                        Some(latency) => {
+                            Box::new(LatencyProfileExecutor::new(&m.name, latency, m.kv_tokens))
+                        }
+                        None => load_executor(m)?,
+                    }))
+                },
+            )
             .collect::<Result<Vec<_>, _>>()?;
-        for executor in &mut executors {
+        for executor in executors.iter_mut().flatten() {
             executor
                 .kv_mut()
                 .set_prefix_sharing(config.runtime.prefix_cache);
@@ -276,32 +345,57 @@ impl Runtime {
             .iter()
             .map(ModelConfig::step_tokens)
             .collect::<Result<Vec<_>, _>>()?;
-        let vocab = executors[0].vocab_size();
-        if let Some(other) = executors.iter().find(|e| e.vocab_size() != vocab) {
+        // With a bus, every process hosting a model says what it is and asks the others.
+        let bus = match (&config.cluster, &role) {
+            (Some(cluster), Role::Worker) => Some(Bus::connect(cluster)?),
+            (Some(cluster), Role::Frontend) if !everything_here => Some(Bus::connect(cluster)?),
+            _ => None,
+        };
+        let facts: Vec<Option<ModelFacts>> = executors
+            .iter()
+            .map(|e| e.as_ref().map(|e| facts_of(e.as_ref(), mode)))
+            .collect();
+        let facts = match &bus {
+            None => facts.into_iter().map(|f| f.expect("hosted")).collect(),
+            Some(bus) => {
+                let join_timeout =
+                    Duration::from_millis(config.cluster.as_ref().map_or(0, |c| c.join_timeout_ms));
+                join(bus, config, facts, join_timeout, mode)?
+            }
+        };
+        let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
+        let vocab = facts[0].vocab_size;
+        if let Some((other, f)) = names
+            .iter()
+            .zip(&facts)
+            .find(|(_, f)| f.vocab_size != vocab)
+        {
             return Err(RuntimeError::InvalidRequest(format!(
-                "model `{}` has a vocabulary of {} tokens, `{}` has {vocab}; routed models must share one",
-                other.name(),
-                other.vocab_size(),
-                executors[0].name()
+                "model `{other}` has a vocabulary of {} tokens, `{}` has {vocab}; routed models must share one",
+                f.vocab_size, names[0]
             )));
         }
-        let hidden_sizes: Vec<usize> = executors.iter().map(|e| e.hidden_size()).collect();
-        let kv_capacity = executors
+        let hidden_sizes: Vec<usize> = facts.iter().map(|f| f.hidden_size).collect();
+        let kv_capacity = names
             .iter()
-            .map(|e| (e.name().to_string(), e.kv_usage().capacity_tokens))
+            .zip(&facts)
+            .map(|(name, f)| (name.to_string(), f.kv_capacity_tokens))
             .collect();
-        let context_length = executors
+        let context_length = facts
             .iter()
-            .map(|e| e.context_length())
+            .map(|f| f.context_length)
             .min()
             .unwrap_or(usize::MAX);
         let policies = PolicyRegistry::from_config(config, &hidden_sizes)?;
-        for policy in policies.all() {
-            let info = policy.describe();
-            if info.kind != PolicyKind::Single {
-                tracing::info!(policy = %info.name, kind = %info.kind, "{}", info.rule);
+        if matches!(role, Role::Frontend) {
+            for policy in policies.all() {
+                let info = policy.describe();
+                if info.kind != PolicyKind::Single {
+                    tracing::info!(policy = %info.name, kind = %info.kind, "{}", info.rule);
+                }
             }
         }
+        let policies = Arc::new(ArcSwap::from_pointee(policies));
         let models = config.models.len();
         let recorders: Vec<ModelRecorder> = config
             .models
@@ -310,23 +404,40 @@ impl Runtime {
             .collect();
         let model_names: Arc<[String]> = config.models.iter().map(|m| m.name.clone()).collect();
         let live = LiveRequests::default();
+        let frontend = bus.as_ref().map(|_| FrontendRequests::default());
         let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
         let batch_arbiter = Arbiter::new();
-        let batchers: Vec<Addr<BatcherActor>> = config
+        let batchers: Vec<Option<Addr<BatcherActor>>> = config
             .models
             .iter()
             .zip(&recorders)
-            .map(|(m, recorder)| {
-                let (live, recorder) = (live.clone(), recorder.clone());
-                let delayed = mode == ExecutionMode::Tokenrouter;
-                let gate = BatchGate::new(delayed, m.batch_threshold, timeout);
-                BatcherActor::start_in_arbiter(&batch_arbiter.handle(), move |_| {
-                    BatcherActor::new(gate, live, recorder)
+            .zip(&hosted)
+            .map(|((m, recorder), &here)| {
+                here.then(|| {
+                    let (live, recorder) = (live.clone(), recorder.clone());
+                    let delayed = mode == ExecutionMode::Tokenrouter;
+                    let gate = BatchGate::new(delayed, m.batch_threshold, timeout);
+                    BatcherActor::start_in_arbiter(&batch_arbiter.handle(), move |_| {
+                        BatcherActor::new(gate, live, recorder)
+                    })
                 })
             })
             .collect();
+        let links: Vec<ModelLink> = batchers
+            .iter()
+            .zip(&model_names[..])
+            .map(|(batcher, name)| match (batcher, &bus) {
+                (Some(batcher), _) => ModelLink::Local(batcher.clone()),
+                (None, Some(bus)) => ModelLink::Remote(RemoteModel {
+                    bus: bus.clone(),
+                    name: name.as_str().into(),
+                }),
+                (None, None) => unreachable!("a model hosted elsewhere needs the bus"),
+            })
+            .collect();
         let controller = Arc::new(Mutex::new(None));
-        let tuner_arbiter = (mode == ExecutionMode::Tokenrouter
+        let tuner_arbiter = (matches!(role, Role::Frontend)
+            && mode == ExecutionMode::Tokenrouter
             && config.runtime.retune_interval_ms > 0)
             .then(|| {
                 let arbiter = Arbiter::new();
@@ -339,27 +450,32 @@ impl Runtime {
                         .map(|p| p.map(|[a_ms, c_ms]| AffineLatency { a_ms, c_ms }))
                         .collect(),
                 };
-                let (recorders, live, batchers, published) = (
+                let (recorders, live, links, published) = (
                     recorders.clone(),
                     live.clone(),
-                    batchers.clone(),
+                    links.clone(),
                     controller.clone(),
                 );
                 TunerActor::start_in_arbiter(&arbiter.handle(), move |_| {
-                    TunerActor::new(settings, recorders, live, batchers, published)
+                    TunerActor::new(settings, recorders, live, links, published)
                 });
                 arbiter
             });
         let global_step_lock = (mode == ExecutionMode::Lockstep).then(|| Arc::new(Mutex::new(())));
-        let mut slots = Vec::new();
+        let mut model_arbiters = Vec::new();
+        let mut hosted_models = Vec::new();
         for (idx, (executor, model_config)) in executors.into_iter().zip(&config.models).enumerate()
         {
+            let (Some(executor), Some(batcher)) = (executor, batchers[idx].clone()) else {
+                continue;
+            };
             let arbiter = Arbiter::new();
             let parts = ModelActorParts {
                 idx,
                 executor,
                 mode,
-                peers: batchers.clone(),
+                batcher: batcher.clone(),
+                peers: links.clone(),
                 live: live.clone(),
                 recorder: recorders[idx].clone(),
                 global_step_lock: global_step_lock.clone(),
@@ -369,20 +485,69 @@ impl Runtime {
             };
             let model =
                 Supervisor::start_in_arbiter(&arbiter.handle(), move |_| ModelActor::new(parts));
-            batchers[idx].do_send(AttachModel(model.clone()));
-            slots.push(ModelSlot {
+            batcher.do_send(AttachModel(model));
+            model_arbiters.push(arbiter);
+            hosted_models.push(HostedModel {
                 name: model_config.name.clone(),
-                model,
-                batcher: batchers[idx].clone(),
-                arbiter,
+                batcher,
             });
         }
+        if let (Some(bus), Some(frontend)) = (&bus, &frontend) {
+            let side = BusSide {
+                bus: bus.clone(),
+                policies: policies.clone(),
+                live: live.clone(),
+                frontend: frontend.clone(),
+            };
+            let names: Vec<String> = hosted_models.iter().map(|m| m.name.clone()).collect();
+            for model in hosted_models {
+                side.serve_model(model)?;
+            }
+            side.serve_clients()?;
+            bus.beat_for(names);
+            let elsewhere: Vec<(usize, String)> = hosted
+                .iter()
+                .enumerate()
+                .filter(|(_, &here)| !here)
+                .map(|(idx, _)| (idx, model_names[idx].clone()))
+                .collect();
+            let (watcher, names) = (frontend.clone(), model_names.clone());
+            bus.watch(elsewhere.clone(), move |idx, up| {
+                if !up {
+                    watcher.fail_visitors_of(idx, &names[idx]);
+                }
+            })?;
+            // A front end takes requests once every model's host listens (it beats only then).
+            if matches!(role, Role::Frontend) {
+                let join_timeout = config.cluster.as_ref().map_or(0, |c| c.join_timeout_ms);
+                for (_, name) in &elsewhere {
+                    let waited = Instant::now();
+                    while !bus.has_beaten(name) {
+                        if waited.elapsed() >= Duration::from_millis(join_timeout) {
+                            return Err(ClusterError::NoHost {
+                                model: name.clone(),
+                                waited_ms: join_timeout,
+                            }
+                            .into());
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+            }
+        }
+        // Request ids from several front ends must not meet in one model's KV.
+        let first_rid = match &bus {
+            Some(_) => (u64::from(rand::random::<u16>()) << 40) + 1,
+            None => 1,
+        };
         Ok(Self {
-            slots,
+            models: links,
+            model_names: model_names.to_vec(),
+            model_arbiters,
             batch_arbiter,
             tuner_arbiter,
             controller,
-            policies: ArcSwap::from_pointee(policies),
+            policies,
             config: Mutex::new(config.clone()),
             hidden_sizes,
             context_length,
@@ -390,7 +555,9 @@ impl Runtime {
             tokenizer,
             eos,
             live,
-            next_rid: AtomicU64::new(1),
+            frontend,
+            bus,
+            next_rid: AtomicU64::new(first_rid),
             recorders,
             mode,
         })
@@ -437,7 +604,7 @@ impl Runtime {
     }
 
     pub fn model_names(&self) -> Vec<&str> {
-        self.slots.iter().map(|s| s.name.as_str()).collect()
+        self.model_names.iter().map(String::as_str).collect()
     }
 
     /// The current registry (a snapshot: later swaps do not change it).
@@ -463,6 +630,13 @@ impl Runtime {
         &self,
         next_config: impl FnOnce(&Config) -> Result<Config, ConfigError>,
     ) -> Result<Arc<PolicyRegistry>, RuntimeError> {
+        if self.frontend.is_some() {
+            return Err(RuntimeError::InvalidRequest(
+                "policies cannot be swapped while some model runs in another process: the \
+                 model hosts keep the policies they started with (docs/deployment.md)"
+                    .into(),
+            ));
+        }
         let mut config = self.config.lock().unwrap_or_else(|e| e.into_inner());
         let next = next_config(&config)?;
         let registry = Arc::new(PolicyRegistry::from_config(&next, &self.hidden_sizes)?);
@@ -560,7 +734,7 @@ impl Runtime {
         } = request;
         let rid = RequestId(self.next_rid.fetch_add(1, Ordering::Relaxed));
         let seed = sampling.seed;
-        let mut state = RoutingState::new(rid, prompt, self.slots.len(), seed);
+        let mut state = RoutingState::new(rid, prompt, self.models.len(), seed);
         state.current = policy.entry(&RequestInfo {
             rid,
             prompt_len: state.prompt_len,
@@ -568,22 +742,23 @@ impl Runtime {
         });
         let (tx, rx) = unbounded_channel();
         self.live.insert(rid);
-        let models = self.slots.iter().map(|s| s.model.clone()).collect();
-        let batchers = self.slots.iter().map(|s| s.batcher.clone()).collect();
         let actor = RequestActor::new(
             rid,
             policy.name(),
             tx,
-            models,
-            batchers,
+            self.models.clone(),
             self.live.clone(),
+            self.frontend.clone(),
             timeout,
         )
         .start();
+        if let Some(frontend) = &self.frontend {
+            frontend.insert(rid, actor.clone(), policy.models().into());
+        }
         let policy_name = policy.name().to_string();
         let in_flight = InFlight {
             stats: RoutingStats {
-                tokens_per_model: vec![0; self.slots.len()],
+                tokens_per_model: vec![0; self.models.len()],
                 handoffs: 0,
             },
             params: RequestParams {
@@ -598,7 +773,7 @@ impl Runtime {
                 logprobs,
             },
             state,
-            client: actor.clone(),
+            client: Client::Local(actor.clone()),
             handoff: None,
             arrived: Instant::now(),
             timing: EngineTiming::default(),
@@ -615,12 +790,99 @@ impl Runtime {
 
     /// Stops every actor thread.
     pub fn shutdown(&self) {
-        for slot in &self.slots {
-            slot.arbiter.stop();
+        if let Some(bus) = &self.bus {
+            bus.close();
+        }
+        for arbiter in &self.model_arbiters {
+            arbiter.stop();
         }
         self.batch_arbiter.stop();
         if let Some(tuner) = &self.tuner_arbiter {
             tuner.stop();
         }
     }
+}
+
+fn facts_of(executor: &dyn StepExecutor, mode: ExecutionMode) -> ModelFacts {
+    ModelFacts {
+        mode,
+        vocab_size: executor.vocab_size(),
+        hidden_size: executor.hidden_size(),
+        context_length: executor.context_length(),
+        kv_capacity_tokens: executor.kv_usage().capacity_tokens,
+    }
+}
+
+/// Every model's facts: the hosted ones as given, the others asked of their hosts until they
+/// answer or `timeout` passes. Hosted models answer `describe` as soon as this process
+/// serves them, so two processes joining at once do not wait for each other.
+fn join(
+    bus: &Bus,
+    config: &Config,
+    hosted: Vec<Option<ModelFacts>>,
+    timeout: Duration,
+    mode: ExecutionMode,
+) -> Result<Vec<ModelFacts>, RuntimeError> {
+    let mut known = hosted;
+    let waiting: Vec<usize> = (0..known.len()).filter(|&i| known[i].is_none()).collect();
+    // Answer for our own models now, before waiting for the others.
+    for (idx, facts) in known.iter().enumerate() {
+        if let Some(facts) = facts {
+            let (replier, payload) = (bus.clone(), wire::encode(facts));
+            bus.subscribe(
+                bus.model_subject(&config.models[idx].name, "describe"),
+                move |_, reply| {
+                    if let Some(reply) = reply {
+                        replier.publish(reply.to_string(), payload.clone());
+                    }
+                },
+            )?;
+        }
+    }
+    let started = Instant::now();
+    for idx in waiting {
+        let name = &config.models[idx].name;
+        loop {
+            let asked = bus.request(
+                bus.model_subject(name, "describe"),
+                Vec::new(),
+                Duration::from_millis(500),
+            );
+            if let Some(reply) = asked {
+                let facts = wire::decode::<ModelFacts>(&reply).map_err(|reason| {
+                    ClusterError::BadReply {
+                        model: name.clone(),
+                        reason,
+                    }
+                })?;
+                if facts.mode != mode {
+                    return Err(ClusterError::BadReply {
+                        model: name.clone(),
+                        reason: format!(
+                            "mode `{}` where this process runs `{}`: every process of a \
+                             deployment must run the same mode",
+                            facts.mode.as_str(),
+                            mode.as_str()
+                        ),
+                    }
+                    .into());
+                }
+                bus.saw(name);
+                known[idx] = Some(facts);
+                break;
+            }
+            if started.elapsed() >= timeout {
+                return Err(ClusterError::NoHost {
+                    model: name.clone(),
+                    waited_ms: timeout.as_millis() as u64,
+                }
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    Ok(known
+        .into_iter()
+        .map(|f| f.expect("every model answered"))
+        .collect())
 }

@@ -5,9 +5,8 @@
 //! periods and keeps whichever measured faster, so a poor estimate costs throughput only
 //! during the trials.
 
-use super::batcher::BatcherActor;
+use super::link::ModelLink;
 use super::live::LiveRequests;
-use super::messages::SetThreshold;
 use super::record::ModelRecorder;
 use crate::telemetry::ControllerMetrics;
 use crate::tuning::controller::{
@@ -49,7 +48,7 @@ pub(crate) struct TunerActor {
     settings: TunerSettings,
     recorders: Vec<ModelRecorder>,
     live: LiveRequests,
-    batchers: Vec<Addr<BatcherActor>>,
+    batchers: Vec<ModelLink>,
     routing: RoutingEstimate,
     /// One eager check per live-request count: throughputs at different loads do not
     /// compare, and a load that returns resumes its comparison (a fresh one starts with trials
@@ -69,7 +68,7 @@ impl TunerActor {
         settings: TunerSettings,
         recorders: Vec<ModelRecorder>,
         live: LiveRequests,
-        batchers: Vec<Addr<BatcherActor>>,
+        batchers: Vec<ModelLink>,
         published: Arc<Mutex<Option<ArmComparison>>>,
     ) -> Self {
         let models = batchers.len();
@@ -173,7 +172,7 @@ impl TunerActor {
         };
         tracing::debug!(?arm, n, ?thresholds, "thresholds");
         for (batcher, b) in self.batchers.iter().zip(thresholds) {
-            batcher.do_send(SetThreshold(b));
+            batcher.set_threshold(b);
         }
     }
 

@@ -160,7 +160,9 @@ impl From<RuntimeError> for ApiError {
                 param: None,
             },
             RuntimeError::Config(e) => e.into(),
-            RuntimeError::Disconnected => ApiError::Unavailable(e.to_string()),
+            RuntimeError::Disconnected
+            | RuntimeError::Unavailable(_)
+            | RuntimeError::Cluster(_) => ApiError::Unavailable(e.to_string()),
             RuntimeError::Engine(EngineError::ContextOverflow { .. }) => ApiError::InvalidRequest {
                 message: e.to_string(),
                 param: Some("max_tokens".into()),

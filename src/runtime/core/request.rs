@@ -3,13 +3,13 @@
 use crate::engine::{SamplingParams, StepOutput};
 pub use crate::policy::RequestId;
 use crate::policy::{Handoff, RoutingState, SharedPolicy};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// An end-of-sequence token.
@@ -19,10 +19,12 @@ pub enum FinishReason {
 }
 
 /// Why a generation failed: the HTTP status and whether a retry can help follow from it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FailureKind {
     /// An engine error or a crashed model.
     Fault,
+    /// A model's process stopped answering; the same request may succeed on a retry.
+    Unavailable,
     /// Out of capacity (KV); the same request may succeed later.
     Capacity,
     /// The request's deadline passed.
@@ -30,7 +32,7 @@ pub enum FailureKind {
 }
 
 /// Per-request routing statistics, reported with the result.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoutingStats {
     /// Committed tokens per model index.
     pub tokens_per_model: Vec<usize>,
@@ -39,7 +41,7 @@ pub struct RoutingStats {
 
 /// Where a request's time in the models went, summed over both models: what a
 /// per-token breakdown of serving time needs beside the time the client waited.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineTiming {
     /// Looking up the longest cached prefix of its tokens.
     pub prefix_match: Duration,
@@ -51,7 +53,7 @@ pub struct EngineTiming {
 /// The committed token's log-probability, its most likely alternatives' and the entropy of
 /// the distribution it came from, all at temperature 1: OpenAI's `logprobs`, and the
 /// routing signal an external dispatcher needs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenLogprobs {
     pub logprob: f32,
     /// Shannon entropy in nats over the whole vocabulary.

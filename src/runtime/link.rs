@@ -1,0 +1,388 @@
+//! The two ends a model actor talks to, wherever they live: a model's batcher (arrivals,
+//! withdrawals, thresholds) and a request's client (its tokens). In one process they are
+//! actor addresses; for a model or a front end in another process (`[cluster]`) they are
+//! subjects on the NATS bus, and `serve_model` / `serve_clients` turn the bus's messages back
+//! into actor messages on the receiving side.
+
+use super::batcher::BatcherActor;
+use super::cluster::{Bus, ClusterError};
+use super::core::{FailureKind, InFlight, RequestId, RequestParams};
+use super::live::LiveRequests;
+use super::messages::{Admit, Committed, Failed, Finished, Request, SetThreshold, Withdraw};
+use super::request::RequestActor;
+use super::wire::{
+    self, ClientEvent, WireAdmit, WireEvent, WireRequest, WireThreshold, WireWithdraw,
+};
+use crate::policy::registry::PolicyRegistry;
+use crate::policy::ModelIdx;
+use actix::prelude::*;
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Where a model's arrivals, withdrawals and thresholds go.
+#[derive(Clone)]
+pub(crate) enum ModelLink {
+    Local(Addr<BatcherActor>),
+    Remote(RemoteModel),
+}
+
+impl ModelLink {
+    pub fn admit(&self, arrivals: Vec<Request>) {
+        match self {
+            ModelLink::Local(batcher) => batcher.do_send(Admit(arrivals)),
+            ModelLink::Remote(remote) => remote.admit(arrivals),
+        }
+    }
+
+    /// The request ended: the batcher forgets it and the model frees its KV.
+    pub fn withdraw(&self, rid: RequestId) {
+        match self {
+            ModelLink::Local(batcher) => batcher.do_send(Withdraw { rid }),
+            ModelLink::Remote(remote) => remote.bus.publish(
+                remote.subject("withdraw"),
+                wire::encode(&WireWithdraw { rid }),
+            ),
+        }
+    }
+
+    pub fn set_threshold(&self, threshold: usize) {
+        match self {
+            ModelLink::Local(batcher) => batcher.do_send(SetThreshold(threshold)),
+            ModelLink::Remote(remote) => remote.bus.publish(
+                remote.subject("threshold"),
+                wire::encode(&WireThreshold { threshold }),
+            ),
+        }
+    }
+}
+
+/// A model hosted by another process.
+#[derive(Clone)]
+pub(crate) struct RemoteModel {
+    pub bus: Bus,
+    pub name: Arc<str>,
+}
+
+impl RemoteModel {
+    fn subject(&self, what: &str) -> String {
+        self.bus.model_subject(&self.name, what)
+    }
+
+    /// Publishes the arrivals, or fails them at once (retryable) while the host is down.
+    fn admit(&self, arrivals: Vec<Request>) {
+        if !self.bus.is_up(&self.name) {
+            for request in arrivals {
+                request.client.failed(Failed {
+                    message: format!(
+                        "model `{}` is unavailable: its worker is not answering on the bus",
+                        self.name
+                    ),
+                    kind: FailureKind::Unavailable,
+                });
+            }
+            return;
+        }
+        let requests = arrivals
+            .into_iter()
+            .map(|r| to_wire(r, self.bus.id()))
+            .collect();
+        self.bus
+            .publish(self.subject("admit"), wire::encode(&WireAdmit { requests }));
+    }
+}
+
+fn to_wire(request: Request, this_process: &str) -> WireRequest {
+    let frontend = match &request.client {
+        Client::Local(_) => this_process.to_string(),
+        Client::Remote(remote) => remote.frontend.to_string(),
+    };
+    WireRequest {
+        state: request.state,
+        max_tokens: request.params.max_tokens,
+        sampling: request.params.sampling,
+        eos: request.params.eos.iter().copied().collect(),
+        policy: request.params.policy.name().to_string(),
+        logprobs: request.params.logprobs,
+        stats: request.stats,
+        handoff: request.handoff,
+        timing: request.timing,
+        frontend,
+    }
+}
+
+/// How a request's events reach the actor that streams them to its client.
+#[derive(Clone)]
+pub(crate) enum Client {
+    Local(Addr<RequestActor>),
+    Remote(RemoteClient),
+}
+
+/// A request whose `RequestActor` lives in another process (its front end).
+#[derive(Clone)]
+pub(crate) struct RemoteClient {
+    bus: Bus,
+    frontend: Arc<str>,
+    rid: RequestId,
+}
+
+impl RemoteClient {
+    fn send(&self, event: WireEvent) {
+        let event = ClientEvent {
+            rid: self.rid,
+            event,
+        };
+        self.bus.publish(
+            self.bus.client_subject(&self.frontend),
+            wire::encode(&event),
+        );
+    }
+}
+
+impl Client {
+    pub fn committed(&self, msg: Committed) {
+        match self {
+            Client::Local(actor) => actor.do_send(msg),
+            Client::Remote(remote) => remote.send(WireEvent::Committed {
+                token: msg.token,
+                model: msg.model,
+                logprobs: msg.logprobs,
+            }),
+        }
+    }
+
+    pub fn finished(&self, msg: Finished) {
+        match self {
+            Client::Local(actor) => actor.do_send(msg),
+            Client::Remote(remote) => remote.send(WireEvent::Finished {
+                reason: msg.reason,
+                stats: msg.stats,
+                timing: msg.timing,
+                prompt_tokens: msg.prompt_tokens,
+            }),
+        }
+    }
+
+    pub fn failed(&self, msg: Failed) {
+        match self {
+            Client::Local(actor) => actor.do_send(msg),
+            Client::Remote(remote) => remote.send(WireEvent::Failed {
+                message: msg.message,
+                kind: msg.kind,
+            }),
+        }
+    }
+}
+
+/// One of this process's requests: its actor, and the models its policy may visit.
+struct OwnRequest {
+    actor: Addr<RequestActor>,
+    models: Arc<[ModelIdx]>,
+}
+
+/// This process's own requests, by id: their actors, for events and arrivals from the bus,
+/// and the models each may visit, to fail the right ones when a model's host goes down.
+#[derive(Clone, Default)]
+pub(crate) struct FrontendRequests(Arc<DashMap<RequestId, OwnRequest>>);
+
+impl FrontendRequests {
+    pub fn insert(&self, rid: RequestId, actor: Addr<RequestActor>, models: Arc<[ModelIdx]>) {
+        self.0.insert(rid, OwnRequest { actor, models });
+    }
+
+    pub fn remove(&self, rid: RequestId) {
+        self.0.remove(&rid);
+    }
+
+    fn actor(&self, rid: RequestId) -> Option<Addr<RequestActor>> {
+        self.0.get(&rid).map(|entry| entry.actor.clone())
+    }
+
+    /// Fails (retryably) every request that may visit `model`.
+    pub fn fail_visitors_of(&self, model: ModelIdx, name: &str) {
+        for entry in self.0.iter() {
+            let own = entry.value();
+            if own.models.contains(&model) {
+                own.actor.do_send(Failed {
+                    message: format!(
+                        "model `{name}`'s worker stopped answering on the bus; retry the request"
+                    ),
+                    kind: FailureKind::Unavailable,
+                });
+            }
+        }
+    }
+}
+
+/// Requests that ended recently, so a handoff still on the bus when its request's withdrawal
+/// overtook it is dropped instead of holding KV for a request nobody will withdraw again.
+struct RecentlyEnded {
+    order: VecDeque<RequestId>,
+    set: HashSet<RequestId>,
+}
+
+const RECENTLY_ENDED: usize = 65_536;
+
+impl RecentlyEnded {
+    fn insert(&mut self, rid: RequestId) {
+        if self.set.insert(rid) {
+            self.order.push_back(rid);
+            if self.order.len() > RECENTLY_ENDED {
+                let oldest = self.order.pop_front().expect("non-empty");
+                self.set.remove(&oldest);
+            }
+        }
+    }
+}
+
+/// What a process hosting a model needs to take that model's messages from the bus.
+pub(crate) struct HostedModel {
+    pub name: String,
+    pub batcher: Addr<BatcherActor>,
+}
+
+/// Everything the bus handlers of this process share.
+#[derive(Clone)]
+pub(crate) struct BusSide {
+    pub bus: Bus,
+    pub policies: Arc<ArcSwap<PolicyRegistry>>,
+    pub live: LiveRequests,
+    pub frontend: FrontendRequests,
+}
+
+impl BusSide {
+    /// Takes `admit`, `withdraw` and `threshold` for a hosted model.
+    pub fn serve_model(&self, model: HostedModel) -> Result<(), ClusterError> {
+        let bus = &self.bus;
+        let ended = Arc::new(Mutex::new(RecentlyEnded {
+            order: VecDeque::new(),
+            set: HashSet::new(),
+        }));
+        let (side, batcher, name) = (self.clone(), model.batcher.clone(), model.name.clone());
+        let recent = ended.clone();
+        bus.subscribe(
+            bus.model_subject(&model.name, "admit"),
+            move |payload, _| match wire::decode::<WireAdmit>(payload) {
+                Ok(admit) => {
+                    let recent = recent.lock().unwrap_or_else(|e| e.into_inner());
+                    let arrivals: Vec<Request> = admit
+                        .requests
+                        .into_iter()
+                        .filter(|r| !recent.set.contains(&r.state.rid))
+                        .filter_map(|r| side.arrival(r))
+                        .collect();
+                    if !arrivals.is_empty() {
+                        batcher.do_send(Admit(arrivals));
+                    }
+                }
+                Err(e) => tracing::warn!(model = %name, "ignoring an admit message: {e}"),
+            },
+        )?;
+        let (side, batcher, name) = (self.clone(), model.batcher.clone(), model.name.clone());
+        bus.subscribe(
+            bus.model_subject(&model.name, "withdraw"),
+            move |payload, _| match wire::decode::<WireWithdraw>(payload) {
+                Ok(WireWithdraw { rid }) => {
+                    ended.lock().unwrap_or_else(|e| e.into_inner()).insert(rid);
+                    if side.frontend.actor(rid).is_none() {
+                        side.live.remove(rid);
+                    }
+                    batcher.do_send(Withdraw { rid });
+                }
+                Err(e) => tracing::warn!(model = %name, "ignoring a withdraw message: {e}"),
+            },
+        )?;
+        let (batcher, name) = (model.batcher, model.name.clone());
+        bus.subscribe(
+            bus.model_subject(&model.name, "threshold"),
+            move |payload, _| match wire::decode::<WireThreshold>(payload) {
+                Ok(WireThreshold { threshold }) => batcher.do_send(SetThreshold(threshold)),
+                Err(e) => tracing::warn!(model = %name, "ignoring a threshold message: {e}"),
+            },
+        )
+    }
+
+    /// Takes the events other processes send for this process's own requests.
+    pub fn serve_clients(&self) -> Result<(), ClusterError> {
+        let frontend = self.frontend.clone();
+        self.bus
+            .subscribe(self.bus.client_subject(self.bus.id()), move |payload, _| {
+                let ClientEvent { rid, event } = match wire::decode::<ClientEvent>(payload) {
+                    Ok(event) => event,
+                    Err(e) => return tracing::warn!("ignoring a client event: {e}"),
+                };
+                // A request that already ended (cancelled, say) has no actor: drop it.
+                let Some(actor) = frontend.actor(rid) else {
+                    return;
+                };
+                match event {
+                    WireEvent::Committed {
+                        token,
+                        model,
+                        logprobs,
+                    } => actor.do_send(Committed {
+                        token,
+                        model,
+                        logprobs,
+                    }),
+                    WireEvent::Finished {
+                        reason,
+                        stats,
+                        timing,
+                        prompt_tokens,
+                    } => actor.do_send(Finished {
+                        reason,
+                        stats,
+                        timing,
+                        prompt_tokens,
+                    }),
+                    WireEvent::Failed { message, kind } => actor.do_send(Failed { message, kind }),
+                }
+            })
+    }
+
+    /// A request from the bus as an arrival here, or `None` when it already ended. A policy
+    /// this process does not know fails the request.
+    fn arrival(&self, request: WireRequest) -> Option<Request> {
+        let rid = request.state.rid;
+        let client = if request.frontend == self.bus.id() {
+            Client::Local(self.frontend.actor(rid)?)
+        } else {
+            self.live.insert(rid);
+            Client::Remote(RemoteClient {
+                bus: self.bus.clone(),
+                frontend: request.frontend.into(),
+                rid,
+            })
+        };
+        let Some(policy) = self.policies.load().get(&request.policy) else {
+            client.failed(Failed {
+                message: format!(
+                    "policy `{}` is not configured in model host {}",
+                    request.policy,
+                    self.bus.id()
+                ),
+                kind: FailureKind::Fault,
+            });
+            self.live.remove(rid);
+            return None;
+        };
+        Some(InFlight {
+            state: request.state,
+            params: RequestParams {
+                max_tokens: request.max_tokens,
+                sampling: request.sampling,
+                eos: Arc::new(request.eos.into_iter().collect()),
+                policy,
+                logprobs: request.logprobs,
+            },
+            stats: request.stats,
+            client,
+            handoff: request.handoff,
+            arrived: Instant::now(),
+            timing: request.timing,
+        })
+    }
+}

@@ -1,0 +1,442 @@
+//! The runtime across processes, on a real NATS server (Debian's `nats-server`, installed by
+//! `scripts/install-test-clients.sh`; with `TOKENROUTER_REQUIRE_CLIENTS=1`, as in CI, a
+//! missing one fails instead of skipping): this test process is the front end hosting the
+//! small model, a `tokenrouter worker` child process hosts the large one. Greedy tokens are
+//! those of one process, a killed worker's requests end cleanly, a restarted one serves, and
+//! a worker with the wrong token is refused without the token in its log.
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use common::{Arch, TinySpec};
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokenrouter::config::{Config, ExecutionMode};
+use tokenrouter::engine::SamplingParams;
+use tokenrouter::runtime::{GenerateRequest, Runtime, RuntimeError};
+
+const TOKEN: &str = "cluster-test-token-51c9";
+
+/// A `nats-server` child on a free loopback port, requiring `TOKEN`.
+struct Nats {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn nats_server() -> Option<Nats> {
+    nats_server_with(&[])
+}
+
+/// `nats-server` with extra arguments (TLS).
+fn nats_server_with(extra: &[&str]) -> Option<Nats> {
+    let program = ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists());
+    let Some(program) = program else {
+        if std::env::var("TOKENROUTER_REQUIRE_CLIENTS").is_ok_and(|v| v == "1") {
+            panic!("nats-server is missing; scripts/test.sh installs it");
+        }
+        eprintln!("skipping: nats-server is missing (scripts/test.sh installs it)");
+        return None;
+    };
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(program)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "--auth", TOKEN])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn nats-server");
+    let started = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "nats-server did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Some(Nats { child, port })
+}
+
+/// A `tokenrouter worker` child; its stderr is collected.
+struct Worker {
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Worker {
+    fn start(config: &Path, model: &str, token: &str) -> Worker {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+            .args(["worker", "--model", model, "--config"])
+            .arg(config)
+            .env("TOKENROUTER_NATS_TOKEN", token)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn tokenrouter worker");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        Worker { child, log }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The tiny pair with `large` placed remote (the worker hosts it) and the bus's settings.
+fn write_configs(dir: &Path, port: u16, mode: &str) -> (PathBuf, Config) {
+    write_configs_with(dir, port, mode, "")
+}
+
+fn write_configs_with(dir: &Path, port: u16, mode: &str, bus: &str) -> (PathBuf, Config) {
+    let small = common::write_gguf(
+        &dir.join("small.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::Q8_0,
+    );
+    let large_spec = TinySpec {
+        seed: 18,
+        ..TinySpec::new(Arch::Llama)
+    };
+    let large = common::write_gguf(&dir.join("large.gguf"), &large_spec, GgmlDType::Q8_0);
+    let text = |placement: &str, cluster: &str| {
+        format!(
+            r#"
+[[models]]
+name = "small"
+path = "{}"
+batch_threshold = 2
+[[models]]
+name = "large"
+path = "{}"
+batch_threshold = 2
+placement = "{placement}"
+[runtime]
+mode = "{mode}"
+batch_timeout_ms = 5
+retune_interval_ms = 0
+[[policies]]
+name = "me"
+kind = "me"
+models = ["small", "large"]
+weights = [0.5, 0.5]
+{cluster}
+"#,
+            small.display(),
+            large.display()
+        )
+    };
+    let cluster = format!(
+        "[cluster]\nurl = \"nats://127.0.0.1:{port}\"\nheartbeat_ms = 500\njoin_timeout_ms = 30000\n{bus}"
+    );
+    let worker_config = dir.join(format!("worker-{mode}.toml"));
+    std::fs::write(&worker_config, text("local", &cluster)).unwrap();
+    let frontend =
+        Config::parse(&text("remote", &format!("{cluster}token = \"{TOKEN}\"\n"))).unwrap();
+    (worker_config, frontend)
+}
+
+fn request(prompt: &[u32], policy: &str, max_tokens: usize, seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        prompt: prompt.to_vec(),
+        policy: Some(policy.into()),
+        max_tokens,
+        sampling: SamplingParams {
+            seed,
+            ..SamplingParams::greedy()
+        },
+        timeout: None,
+        ignore_eos: false,
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..6u32)
+        .map(|i| {
+            (0..4 + i % 5)
+                .map(|j| 3 + (i * 31 + j * 17) % 250)
+                .collect()
+        })
+        .collect()
+}
+
+/// Every prompt under every policy, all in flight at once; tokens per request.
+async fn run(rt: &Runtime, max_tokens: usize) -> Vec<Vec<u32>> {
+    let mut handles = Vec::new();
+    for policy in ["me", "small", "large"] {
+        for (i, p) in prompts().iter().enumerate() {
+            handles.push(
+                rt.submit(request(p, policy, max_tokens, 100 + i as u64))
+                    .unwrap(),
+            );
+        }
+    }
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.collect().await.unwrap().token_ids);
+    }
+    out
+}
+
+#[actix_rt::test]
+async fn greedy_tokens_across_processes_match_one_process_in_every_mode() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    for mode in ["async", "standard", "tokenrouter"] {
+        let (worker_config, frontend) = write_configs(dir.path(), nats.port, mode);
+        let mut one_process = frontend.clone();
+        one_process.cluster = None;
+        for m in &mut one_process.models {
+            m.placement = tokenrouter::config::Placement::Local;
+        }
+        let local = Runtime::start(&one_process, None).unwrap();
+        let want = run(&local, 24).await;
+        local.shutdown();
+
+        let worker = Worker::start(&worker_config, "large", TOKEN);
+        let rt = Runtime::start(&frontend, None)
+            .unwrap_or_else(|e| panic!("{e}; worker: {}", worker.log.lock().unwrap()));
+        let got = run(&rt, 24).await;
+        assert_eq!(got, want, "mode {mode}");
+        assert!(
+            rt.snapshot().models[0].steps > 0,
+            "the small model here never stepped"
+        );
+        wait_for_zero_kv(&rt).await;
+        rt.shutdown();
+    }
+}
+
+async fn wait_for_zero_kv(rt: &Runtime) {
+    let start = Instant::now();
+    while rt.kv_tokens_used()[0] > 0 || rt.live_requests() > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "KV still held here: {:?}, live {}",
+            rt.kv_tokens_used(),
+            rt.live_requests()
+        );
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[actix_rt::test]
+async fn a_killed_workers_requests_end_cleanly_and_a_restarted_worker_serves() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
+    let mut worker = Worker::start(&worker_config, "large", TOKEN);
+    let rt = Runtime::start(&frontend, Some(ExecutionMode::Async)).unwrap();
+    let long = |i: u64| GenerateRequest {
+        ignore_eos: true,
+        ..request(&[5, 6, 7, 8], "me", 400, i)
+    };
+    let handles: Vec<_> = (0..64).map(|i| rt.submit(long(i)).unwrap()).collect();
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    worker.kill();
+    let killed = Instant::now();
+    let mut unavailable = 0;
+    for h in handles {
+        match actix_rt::time::timeout(Duration::from_secs(10), h.collect()).await {
+            Err(_) => panic!("a request still runs 10 s after the kill"),
+            Ok(Ok(_)) => {}
+            Ok(Err(RuntimeError::Unavailable(message))) => {
+                assert!(message.contains("large"), "{message}");
+                unavailable += 1;
+            }
+            Ok(Err(e)) => panic!("not a clean retryable error: {e}"),
+        }
+    }
+    assert!(killed.elapsed() < Duration::from_secs(10));
+    assert!(unavailable > 0, "every request finished before the kill");
+    wait_for_zero_kv(&rt).await;
+    // While the worker is down, a request that may need it fails at once, retryably.
+    let refused = rt
+        .submit(request(&[5, 6], "large", 4, 1))
+        .unwrap()
+        .collect()
+        .await;
+    assert!(
+        matches!(refused, Err(RuntimeError::Unavailable(_))),
+        "{refused:?}"
+    );
+
+    let _restarted = Worker::start(&worker_config, "large", TOKEN);
+    let started = Instant::now();
+    loop {
+        match rt
+            .submit(request(&[5, 6], "large", 4, 1))
+            .unwrap()
+            .collect()
+            .await
+        {
+            Ok(done) => {
+                assert_eq!(done.token_ids.len(), 4);
+                break;
+            }
+            Err(RuntimeError::Unavailable(_)) if started.elapsed() < Duration::from_secs(60) => {
+                actix_rt::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the restarted worker does not serve: {e}"),
+        }
+    }
+    rt.shutdown();
+}
+
+#[test]
+fn a_worker_with_the_wrong_token_is_refused_and_does_not_log_it() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, _) = write_configs(dir.path(), nats.port, "async");
+    let wrong = "wrong-secret-0d17";
+    let mut worker = Worker::start(&worker_config, "large", wrong);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = worker.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the worker was not refused"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    std::thread::sleep(Duration::from_millis(100));
+    let log = worker.log.lock().unwrap().clone();
+    assert!(log.contains("cannot join the NATS bus"), "{log}");
+    assert!(log.to_lowercase().contains("authorization"), "{log}");
+    assert!(!log.contains(wrong), "the token is in the log: {log}");
+}
+
+/// A CA and a server certificate for 127.0.0.1 signed by it, made with `openssl`.
+fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    ]);
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+    ]);
+    (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    )
+}
+
+#[actix_rt::test]
+async fn a_tls_bus_with_a_self_signed_ca_works_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = certificates(dir.path());
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let Some(nats) = nats_server_with(&["--tls", "--tlscert", &cert, "--tlskey", &key]) else {
+        return;
+    };
+    let bus = format!("tls_ca = \"{}\"\n", ca.display());
+    let (worker_config, frontend) = write_configs_with(dir.path(), nats.port, "async", &bus);
+    let worker = Worker::start(&worker_config, "large", TOKEN);
+    let rt = Runtime::start(&frontend, None)
+        .unwrap_or_else(|e| panic!("{e}; worker: {}", worker.log.lock().unwrap()));
+    let done = rt
+        .submit(request(&[5, 6, 7], "large", 6, 1))
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(done.token_ids.len(), 6);
+    rt.shutdown();
+
+    // Without the CA the server's certificate is not trusted.
+    let (_, mut untrusting) = write_configs(dir.path(), nats.port, "async");
+    untrusting.cluster.as_mut().unwrap().url = format!("tls://127.0.0.1:{}", nats.port);
+    let refused = Runtime::start(&untrusting, None)
+        .err()
+        .expect("an untrusted server");
+    assert!(
+        refused.to_string().contains("cannot join the NATS bus"),
+        "{refused}"
+    );
+}
