@@ -436,7 +436,7 @@ impl std::fmt::Display for PolicyKind {
 }
 
 /// A named routing policy over configured models.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
     pub name: String,

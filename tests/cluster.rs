@@ -152,6 +152,11 @@ name = "me"
 kind = "me"
 models = ["small", "large"]
 weights = [0.5, 0.5]
+[[policies]]
+name = "rstitch"
+kind = "rstitch"
+models = ["small", "large"]
+threshold = 1.0
 {cluster}
 "#,
             small.display(),
@@ -439,4 +444,66 @@ async fn a_tls_bus_with_a_self_signed_ca_works_end_to_end() {
         refused.to_string().contains("cannot join the NATS bus"),
         "{refused}"
     );
+}
+
+#[actix_rt::test]
+async fn policy_swaps_during_a_remote_load_fail_nothing_and_never_mix_versions() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
+    let _worker = Worker::start(&worker_config, "large", TOKEN);
+    let rt = std::rc::Rc::new(Runtime::start(&frontend, None).unwrap());
+    let stop = std::rc::Rc::new(std::cell::Cell::new(false));
+    let writers = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+    let streams: Vec<_> = (0..16u64)
+        .map(|i| {
+            let (rt, stop, writers) = (rt.clone(), stop.clone(), writers.clone());
+            actix_rt::spawn(async move {
+                while !stop.get() {
+                    let long = GenerateRequest {
+                        ignore_eos: true,
+                        ..request(&[5, 6, 7, 8], "rstitch", 24, i)
+                    };
+                    let done = rt.submit(long).unwrap().collect().await;
+                    let done = done.unwrap_or_else(|e| panic!("a request failed: {e}"));
+                    let wrote: Vec<usize> = (0..2)
+                        .filter(|&m| done.routing.tokens_per_model[m] > 0)
+                        .collect();
+                    writers.borrow_mut().push((wrote, done.routing.handoffs));
+                }
+            })
+        })
+        .collect();
+    for i in 0..20 {
+        actix_rt::time::sleep(Duration::from_millis(60)).await;
+        // R-Stitch alternates between "the small model writes everything" (normalised
+        // entropy never above 1) and "the large one does" (one handoff, then it stays: a
+        // version that let the small model back would hand off at every token).
+        let threshold = if i % 2 == 0 { 0.0 } else { 1.0 };
+        let update = serde_json::from_value(serde_json::json!({
+            "policies": {"rstitch": {"threshold": threshold}},
+        }))
+        .unwrap();
+        rt.update_policies(&update).unwrap();
+    }
+    actix_rt::time::sleep(Duration::from_millis(60)).await;
+    stop.set(true);
+    for stream in streams {
+        stream.await.unwrap();
+    }
+    let writers = writers.borrow();
+    for (wrote, handoffs) in writers.iter() {
+        assert!(
+            wrote.len() <= 1 && *handoffs <= 1,
+            "a request ran two versions of rstitch: writers {wrote:?}, {handoffs} handoffs"
+        );
+    }
+    let seen: std::collections::BTreeSet<_> = writers.iter().flat_map(|(w, _)| w).collect();
+    assert_eq!(
+        seen.len(),
+        2,
+        "both versions served ({} requests)",
+        writers.len()
+    );
+    rt.shutdown();
 }

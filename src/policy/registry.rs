@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 pub struct PolicyRegistry {
     policies: BTreeMap<String, SharedPolicy>,
+    /// The configured policies' entries: what another process builds the same policy from.
+    specs: BTreeMap<String, Arc<PolicyConfig>>,
     default: String,
 }
 
@@ -26,8 +28,10 @@ impl PolicyRegistry {
         for (i, model) in config.models.iter().enumerate() {
             policies.insert(model.name.clone(), Arc::new(Single::new(&model.name, i)));
         }
+        let mut specs = BTreeMap::new();
         for p in &config.policies {
             policies.insert(p.name.clone(), build(config, p, hidden_sizes)?);
+            specs.insert(p.name.clone(), Arc::new(p.clone()));
         }
         let default = config
             .runtime
@@ -35,7 +39,32 @@ impl PolicyRegistry {
             .clone()
             .or_else(|| config.policies.first().map(|p| p.name.clone()))
             .unwrap_or_else(|| config.models[0].name.clone());
-        Ok(Self { policies, default })
+        Ok(Self {
+            policies,
+            specs,
+            default,
+        })
+    }
+
+    /// The config entry `name` was built from (`None` for a model served alone).
+    pub fn spec(&self, name: &str) -> Option<Arc<PolicyConfig>> {
+        self.specs.get(name).cloned()
+    }
+
+    /// Builds a policy from an entry another process sent, against this process's config:
+    /// every model it names must be configured here.
+    pub fn build_spec(
+        config: &Config,
+        spec: &PolicyConfig,
+        hidden_sizes: &[usize],
+    ) -> Result<SharedPolicy, ConfigError> {
+        if let Some(unknown) = spec.models.iter().find(|m| config.model_index(m).is_none()) {
+            return Err(ConfigError::Invalid(format!(
+                "policies.{}.models: unknown model `{unknown}`",
+                spec.name
+            )));
+        }
+        build(config, spec, hidden_sizes)
     }
 
     pub fn get(&self, name: &str) -> Option<SharedPolicy> {

@@ -13,8 +13,9 @@ use super::request::RequestActor;
 use super::wire::{
     self, ClientEvent, WireAdmit, WireEvent, WireRequest, WireThreshold, WireWithdraw,
 };
+use crate::config::{Config, PolicyConfig};
 use crate::policy::registry::PolicyRegistry;
-use crate::policy::ModelIdx;
+use crate::policy::{ModelIdx, SharedPolicy};
 use actix::prelude::*;
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -105,6 +106,7 @@ fn to_wire(request: Request, this_process: &str) -> WireRequest {
         sampling: request.params.sampling,
         eos: request.params.eos.iter().copied().collect(),
         policy: request.params.policy.name().to_string(),
+        policy_spec: request.params.policy_spec.as_deref().cloned(),
         logprobs: request.params.logprobs,
         stats: request.stats,
         handoff: request.handoff,
@@ -248,6 +250,10 @@ pub(crate) struct HostedModel {
 pub(crate) struct BusSide {
     pub bus: Bus,
     pub policies: Arc<ArcSwap<PolicyRegistry>>,
+    /// Policies built from specs other processes sent, by spec: each version once.
+    pub built: Arc<DashMap<String, (SharedPolicy, Arc<PolicyConfig>)>>,
+    pub config: Arc<Config>,
+    pub hidden_sizes: Arc<[usize]>,
     pub live: LiveRequests,
     pub frontend: FrontendRequests,
 }
@@ -357,17 +363,25 @@ impl BusSide {
                 rid,
             })
         };
-        let Some(policy) = self.policies.load().get(&request.policy) else {
-            client.failed(Failed {
-                message: format!(
-                    "policy `{}` is not configured in model host {}",
-                    request.policy,
-                    self.bus.id()
-                ),
-                kind: FailureKind::Fault,
-            });
-            self.live.remove(rid);
-            return None;
+        let resolved = match &request.policy_spec {
+            Some(spec) => self.built_policy(spec).map(|(p, s)| (p, Some(s))),
+            None => self
+                .policies
+                .load()
+                .get(&request.policy)
+                .map(|p| (p, None))
+                .ok_or_else(|| format!("policy `{}` is not configured here", request.policy)),
+        };
+        let (policy, policy_spec) = match resolved {
+            Ok(resolved) => resolved,
+            Err(why) => {
+                client.failed(Failed {
+                    message: format!("model host {}: {why}", self.bus.id()),
+                    kind: FailureKind::Fault,
+                });
+                self.live.remove(rid);
+                return None;
+            }
         };
         Some(InFlight {
             state: request.state,
@@ -376,6 +390,7 @@ impl BusSide {
                 sampling: request.sampling,
                 eos: Arc::new(request.eos.into_iter().collect()),
                 policy,
+                policy_spec,
                 logprobs: request.logprobs,
             },
             stats: request.stats,
@@ -384,5 +399,21 @@ impl BusSide {
             arrived: Instant::now(),
             timing: request.timing,
         })
+    }
+
+    /// The policy a spec describes, built here the first time a request brings it.
+    fn built_policy(
+        &self,
+        spec: &PolicyConfig,
+    ) -> Result<(SharedPolicy, Arc<PolicyConfig>), String> {
+        let key = serde_json::to_string(spec).expect("a policy entry serializes");
+        if let Some(built) = self.built.get(&key) {
+            return Ok(built.clone());
+        }
+        let policy = PolicyRegistry::build_spec(&self.config, spec, &self.hidden_sizes)
+            .map_err(|e| e.to_string())?;
+        let built = (policy, Arc::new(spec.clone()));
+        self.built.insert(key, built.clone());
+        Ok(built)
     }
 }

@@ -15,7 +15,7 @@ use super::record::{ModelRecorder, RuntimeSnapshot};
 use super::request::{RequestActor, RequestEvent};
 use super::tuner::{TunerActor, TunerSettings};
 use super::wire::{self, ModelFacts};
-use crate::config::{Config, ExecutionMode, ModelConfig, Placement, PolicyUpdate};
+use crate::config::{Config, ExecutionMode, ModelConfig, Placement, PolicyConfig, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{load_executor, SamplingParams, StepExecutor};
@@ -104,6 +104,7 @@ pub enum InvalidRequest {
 pub struct ValidRequest {
     prompt: Vec<u32>,
     policy: SharedPolicy,
+    policy_spec: Option<Arc<PolicyConfig>>,
     max_tokens: usize,
     sampling: SamplingParams,
     timeout: Option<Duration>,
@@ -496,6 +497,9 @@ impl Runtime {
             let side = BusSide {
                 bus: bus.clone(),
                 policies: policies.clone(),
+                built: Arc::default(),
+                config: Arc::new(config.clone()),
+                hidden_sizes: hidden_sizes.clone().into(),
                 live: live.clone(),
                 frontend: frontend.clone(),
             };
@@ -630,13 +634,6 @@ impl Runtime {
         &self,
         next_config: impl FnOnce(&Config) -> Result<Config, ConfigError>,
     ) -> Result<Arc<PolicyRegistry>, RuntimeError> {
-        if self.frontend.is_some() {
-            return Err(RuntimeError::InvalidRequest(
-                "policies cannot be swapped while some model runs in another process: the \
-                 model hosts keep the policies they started with (docs/deployment.md)"
-                    .into(),
-            ));
-        }
         let mut config = self.config.lock().unwrap_or_else(|e| e.into_inner());
         let next = next_config(&config)?;
         let registry = Arc::new(PolicyRegistry::from_config(&next, &self.hidden_sizes)?);
@@ -707,6 +704,7 @@ impl Runtime {
         }
         Ok(ValidRequest {
             prompt: request.prompt,
+            policy_spec: registry.spec(policy.name()),
             policy,
             max_tokens,
             sampling: request.sampling,
@@ -726,6 +724,7 @@ impl Runtime {
         let ValidRequest {
             prompt,
             policy,
+            policy_spec,
             max_tokens,
             sampling,
             timeout,
@@ -770,6 +769,7 @@ impl Runtime {
                     self.eos.clone()
                 },
                 policy,
+                policy_spec,
                 logprobs,
             },
             state,

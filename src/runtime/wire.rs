@@ -7,7 +7,7 @@
 use super::core::{
     EngineTiming, FailureKind, FinishReason, RequestId, RoutingStats, TokenLogprobs,
 };
-use crate::config::ExecutionMode;
+use crate::config::{ExecutionMode, PolicyConfig};
 use crate::engine::SamplingParams;
 use crate::policy::{Handoff, ModelIdx, RoutingState};
 use serde::de::DeserializeOwned;
@@ -58,6 +58,8 @@ pub(crate) struct WireRequest {
     pub sampling: SamplingParams,
     pub eos: Vec<u32>,
     pub policy: String,
+    /// The policy's config entry as the request started with it (`None`: a model alone).
+    pub policy_spec: Option<PolicyConfig>,
     pub logprobs: Option<usize>,
     pub stats: RoutingStats,
     pub handoff: Option<Handoff>,
@@ -144,6 +146,7 @@ mod tests {
                 sampling: SamplingParams::greedy(),
                 eos: vec![2],
                 policy: "r2r".into(),
+                policy_spec: None,
                 logprobs: Some(3),
                 stats: RoutingStats {
                     tokens_per_model: vec![1, 0],

@@ -1,5 +1,6 @@
 //! A request as the scheduling core sees it: routing state plus what travels with it.
 
+use crate::config::PolicyConfig;
 use crate::engine::{SamplingParams, StepOutput};
 pub use crate::policy::RequestId;
 use crate::policy::{Handoff, RoutingState, SharedPolicy};
@@ -108,6 +109,9 @@ pub(crate) struct RequestParams {
     pub eos: Arc<BTreeSet<u32>>,
     /// The policy the request started with: later swaps do not affect it.
     pub policy: SharedPolicy,
+    /// The config entry `policy` was built from (`None` for a model alone): a model hosted
+    /// in another process builds this very version from it, whatever was swapped since.
+    pub policy_spec: Option<Arc<PolicyConfig>>,
     /// Alternatives per token when the request asked for log-probabilities.
     pub logprobs: Option<usize>,
 }

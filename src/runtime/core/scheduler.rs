@@ -702,6 +702,7 @@ mod tests {
                 sampling: SamplingParams::default(),
                 eos: Arc::new(BTreeSet::from([EOS])),
                 policy,
+                policy_spec: None,
                 logprobs: None,
             },
             stats: RoutingStats {
