@@ -507,3 +507,90 @@ async fn policy_swaps_during_a_remote_load_fail_nothing_and_never_mix_versions()
     );
     rt.shutdown();
 }
+
+/// `config/default.toml` with both models hosted by workers (absolute model paths) and the
+/// bus, for `mode`.
+fn real_pair_config(dir: &Path, model: &Path, port: u16, mode: &str) -> (PathBuf, Config) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config/default.toml"))
+        .unwrap()
+        .replace(
+            "path = \"models/SmolLM2-135M-Instruct.Q4_1.gguf\"",
+            &format!("path = \"{}\"\nplacement = \"remote\"", model.display()),
+        )
+        .replace("mode = \"tokenrouter\"", &format!("mode = \"{mode}\""));
+    assert_eq!(text.matches("placement = \"remote\"").count(), 2);
+    let text = format!(
+        "{text}\n[cluster]\nurl = \"nats://127.0.0.1:{port}\"\nheartbeat_ms = 500\n\
+         join_timeout_ms = 60000\n"
+    );
+    let path = dir.join(format!("real-{mode}.toml"));
+    std::fs::write(&path, &text).unwrap();
+    let mut frontend = Config::parse(&text).unwrap();
+    frontend.cluster.as_mut().unwrap().token = Some(TOKEN.into());
+    (path, frontend)
+}
+
+/// The real pair with each model in a worker of its own and a front end hosting neither:
+/// every policy's greedy tokens are those of one process, in every mode a cluster runs.
+#[actix_rt::test]
+async fn the_real_pair_on_two_workers_writes_the_tokens_of_one_process() {
+    let Some(model) = common::real_model() else {
+        return;
+    };
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = [
+        "The capital of France is",
+        "Write a haiku about rivers:",
+        "def fibonacci(n):",
+    ];
+    let policies = ["me", "r2r", "citer", "r2r-entropy", "rstitch", "colm"];
+    let run = |rt: &Runtime| {
+        let handles: Vec<_> = policies
+            .iter()
+            .flat_map(|policy| prompts.iter().map(move |p| (policy, p)))
+            .enumerate()
+            .map(|(i, (policy, text))| {
+                let prompt = rt.tokenizer().unwrap().encode(text).unwrap();
+                rt.submit(request(&prompt, policy, 16, i as u64)).unwrap()
+            })
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for h in handles {
+                out.push(h.collect().await.unwrap().token_ids);
+            }
+            out
+        }
+    };
+    for mode in ["async", "standard", "tokenrouter"] {
+        let (worker_config, frontend) = real_pair_config(dir.path(), &model, nats.port, mode);
+        let mut one_process = frontend.clone();
+        one_process.cluster = None;
+        for m in &mut one_process.models {
+            m.placement = tokenrouter::config::Placement::Local;
+        }
+        let local = Runtime::start(&one_process, None).unwrap();
+        let want = run(&local).await;
+        local.shutdown();
+
+        let workers = [
+            Worker::start(&worker_config, "smollm2-135m", TOKEN),
+            Worker::start(&worker_config, "smollm2-135m-skip7", TOKEN),
+        ];
+        let rt = Runtime::start(&frontend, None).unwrap_or_else(|e| {
+            let logs: Vec<String> = workers
+                .iter()
+                .map(|w| w.log.lock().unwrap().clone())
+                .collect();
+            panic!("{e}; workers: {logs:?}")
+        });
+        let got = run(&rt).await;
+        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+            let (policy, prompt) = (policies[i / prompts.len()], prompts[i % prompts.len()]);
+            assert_eq!(got, want, "mode {mode}, policy {policy}, prompt {prompt:?}");
+        }
+        rt.shutdown();
+    }
+}
