@@ -33,6 +33,9 @@ pub const INTER_TOKEN_LATENCY_SECONDS: &str = "tokenrouter_inter_token_latency_s
 pub const REQUEST_DURATION_SECONDS: &str = "tokenrouter_request_duration_seconds";
 pub const POLICY_SWAPS_TOTAL: &str = "tokenrouter_policy_swaps_total";
 pub const MODEL_RESTARTS_TOTAL: &str = "tokenrouter_model_restarts_total";
+pub const CLUSTER_REPLICA_UP: &str = "tokenrouter_cluster_replica_up";
+pub const CLUSTER_REPLICA_LOAD: &str = "tokenrouter_cluster_replica_load";
+pub const CLUSTER_PLACEMENTS_TOTAL: &str = "tokenrouter_cluster_placements_total";
 
 /// Step and delay buckets: CPU steps take 5–200 ms, GPU steps well under 5 ms.
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -163,6 +166,31 @@ fn describe() {
         "Successful policy registry swaps (admin API or SIGHUP)"
     );
     describe_counter!(MODEL_RESTARTS_TOTAL, "Model actor restarts after a crash");
+    describe_gauge!(
+        CLUSTER_REPLICA_UP,
+        "1 while a remote model's replica (host) sends heartbeats, 0 after three missed"
+    );
+    describe_gauge!(
+        CLUSTER_REPLICA_LOAD,
+        "Live requests on a remote model's replica, as its last heartbeat said"
+    );
+    describe_counter!(
+        CLUSTER_PLACEMENTS_TOTAL,
+        "Requests this process placed on a remote model's replica"
+    );
+}
+
+/// A remote replica's liveness and reported load.
+pub fn replica_seen(model: &str, host: &str, up: bool, load: usize) {
+    let labels = [("model", model.to_string()), ("host", host.to_string())];
+    gauge!(CLUSTER_REPLICA_UP, &labels).set(f64::from(u8::from(up)));
+    gauge!(CLUSTER_REPLICA_LOAD, &labels).set(load as f64);
+}
+
+/// This process placed a request on a remote model's replica.
+pub fn replica_placed(model: &str, host: &str) {
+    let labels = [("model", model.to_string()), ("host", host.to_string())];
+    counter!(CLUSTER_PLACEMENTS_TOTAL, &labels).increment(1);
 }
 
 /// A model actor's metrics, registered once with its `model` label.

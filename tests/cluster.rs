@@ -594,3 +594,71 @@ async fn the_real_pair_on_two_workers_writes_the_tokens_of_one_process() {
         rt.shutdown();
     }
 }
+
+/// Two workers host the large model: new requests spread over both by load, each stays on
+/// its replica, and the tokens are one process's.
+#[actix_rt::test]
+async fn two_replicas_share_the_requests_and_write_one_replicas_tokens() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
+    let mut one_process = frontend.clone();
+    one_process.cluster = None;
+    for m in &mut one_process.models {
+        m.placement = tokenrouter::config::Placement::Local;
+    }
+    let requests: Vec<GenerateRequest> = (0..32u64)
+        .map(|i| {
+            request(
+                &prompts()[i as usize % 6],
+                ["large", "me"][i as usize % 2],
+                16,
+                i,
+            )
+        })
+        .collect();
+    let run = |rt: &Runtime| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|r| rt.submit(r.clone()).unwrap())
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for h in handles {
+                out.push(h.collect().await.unwrap().token_ids);
+            }
+            out
+        }
+    };
+    let local = Runtime::start(&one_process, None).unwrap();
+    let want = run(&local).await;
+    local.shutdown();
+
+    let _replicas = [
+        Worker::start(&worker_config, "large", TOKEN),
+        Worker::start(&worker_config, "large", TOKEN),
+    ];
+    let rt = Runtime::start(&frontend, None).unwrap();
+    // Both replicas beat before the load starts (the front end waits for one).
+    let started = Instant::now();
+    while rt.replicas().iter().filter(|r| r.up).count() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            rt.replicas()
+        );
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(run(&rt).await, want);
+    let replicas = rt.replicas();
+    let placed: u64 = replicas.iter().map(|r| r.placed).sum();
+    for r in &replicas {
+        assert!(
+            r.placed as f64 >= 0.3 * placed as f64,
+            "replica {} got {} of {placed} requests: {replicas:?}",
+            r.host,
+            r.placed
+        );
+    }
+    rt.shutdown();
+}

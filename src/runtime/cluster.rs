@@ -4,20 +4,22 @@
 //!
 //! | subject | what | from → to |
 //! |---|---|---|
-//! | `model.<m>.admit` | `WireAdmit`: new requests and handoffs | any process → m's host |
-//! | `model.<m>.withdraw` | `WireWithdraw`: a request ended | its front end → m's host |
-//! | `model.<m>.threshold` | `WireThreshold` | the front end's tuner → m's host |
-//! | `model.<m>.describe` | `ModelFacts`, request/reply | a joining process → m's host |
-//! | `heartbeat.<m>` | `Heartbeat`, every `heartbeat_ms` | m's host → everyone |
-//! | `client.<id>` | `ClientEvent`: tokens, finish, failure | m's host → the front end `id` |
+//! | `model.<m>.<host>.admit` | `WireAdmit`: new requests and handoffs | any process → one replica of m |
+//! | `model.<m>.withdraw` | `WireWithdraw`: a request ended | its front end → every replica of m |
+//! | `model.<m>.threshold` | `WireThreshold` | the front end's tuner → every replica of m |
+//! | `model.<m>.describe` | `ModelFacts`, request/reply | a joining process → a replica of m |
+//! | `heartbeat.<m>` | `Heartbeat` (host, load), every `heartbeat_ms` | each replica of m → everyone |
+//! | `client.<id>` | `ClientEvent`: tokens, finish, failure, placement | a host → the front end `id` |
 //!
 //! Outgoing messages go through one queue and one task, so they leave in the order the actors
 //! sent them (a token before its request's finish); NATS keeps that order per connection.
 
 use super::wire::{self, Heartbeat};
 use crate::config::ClusterConfig;
-use dashmap::{DashMap, DashSet};
+use crate::telemetry;
+use dashmap::DashMap;
 use futures_util::StreamExt;
+use std::collections::BTreeMap;
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -56,10 +58,8 @@ struct BusInner {
     runtime: tokio::runtime::Handle,
     outbox: UnboundedSender<(String, Vec<u8>)>,
     heartbeat: Duration,
-    /// When each model's host last said it is alive (a heartbeat, or an answer).
-    last_beat: DashMap<String, Instant>,
-    /// Models whose host has sent a heartbeat: it beats once it takes requests.
-    beating: DashSet<String>,
+    /// Each model's replicas (by host id) as their heartbeats describe them.
+    replicas: DashMap<String, BTreeMap<String, Replica>>,
     /// Subscriptions, heartbeats and watchers, ended by `close`.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
@@ -134,8 +134,7 @@ impl Bus {
             runtime,
             outbox,
             heartbeat: Duration::from_millis(config.heartbeat_ms),
-            last_beat: DashMap::new(),
-            beating: DashSet::new(),
+            replicas: DashMap::new(),
             tasks: Mutex::new(Vec::new()),
         })))
     }
@@ -171,6 +170,11 @@ impl Bus {
     /// `<prefix>.model.<model>.<what>`.
     pub fn model_subject(&self, model: &str, what: &str) -> String {
         format!("{}.model.{model}.{what}", self.0.prefix)
+    }
+
+    /// `<prefix>.model.<model>.<host>.<what>`: one replica's own subject.
+    pub fn replica_subject(&self, model: &str, host: &str, what: &str) -> String {
+        format!("{}.model.{model}.{host}.{what}", self.0.prefix)
     }
 
     /// Where events for front end `frontend`'s requests go.
@@ -234,29 +238,32 @@ impl Bus {
             .flatten()
     }
 
-    /// Says every `heartbeat_ms` that this process hosts `models`.
-    pub fn beat_for(&self, models: Vec<String>) {
+    /// Says every `heartbeat_ms` that this process hosts `models`, with its load (live
+    /// requests here) for the front ends that spread new requests over replicas.
+    pub fn beat_for(&self, models: Vec<String>, load: impl Fn() -> usize + Send + 'static) {
         let bus = self.clone();
         self.spawn(async move {
             let mut every = tokio::time::interval(bus.0.heartbeat);
             loop {
                 every.tick().await;
+                let beat = wire::encode(&Heartbeat {
+                    host: bus.0.id.clone(),
+                    load: load(),
+                });
                 for model in &models {
-                    let beat = wire::encode(&Heartbeat {
-                        host: bus.0.id.clone(),
-                    });
-                    bus.publish(format!("{}.heartbeat.{model}", bus.0.prefix), beat);
+                    bus.publish(format!("{}.heartbeat.{model}", bus.0.prefix), beat.clone());
                 }
             }
         });
     }
 
-    /// Follows the heartbeats of `models` (hosted elsewhere): `is_up` answers from them, and
-    /// `on_change(model index, up)` runs on the bus thread whenever one goes down or comes back.
+    /// Follows the heartbeats of `models` (hosted elsewhere, by one or more replicas), and
+    /// runs `on_change(model index, replica, up)` on the bus thread whenever a replica goes
+    /// down or comes back.
     pub fn watch(
         &self,
         models: Vec<(usize, String)>,
-        on_change: impl Fn(usize, bool) + Send + 'static,
+        on_change: impl Fn(usize, &str, bool) + Send + 'static,
     ) -> Result<(), ClusterError> {
         let bus = self.clone();
         for (_, model) in &models {
@@ -264,32 +271,35 @@ impl Bus {
             self.subscribe(
                 format!("{}.heartbeat.{model}", self.0.prefix),
                 move |payload, _| match wire::decode::<Heartbeat>(payload) {
-                    Ok(_) => {
-                        bus.saw(&model_name);
-                        bus.0.beating.insert(model_name.clone());
-                    }
+                    Ok(beat) => bus.beat(&model_name, &beat.host, Some(beat.load)),
                     Err(e) => tracing::warn!(model = %model_name, "ignoring a heartbeat: {e}"),
                 },
             )?;
         }
         self.spawn(async move {
-            let mut up: Vec<bool> = models.iter().map(|(_, m)| bus.is_up(m)).collect();
+            let mut up: BTreeMap<(usize, String), bool> = BTreeMap::new();
             let mut every = tokio::time::interval(bus.0.heartbeat / 2);
             loop {
                 every.tick().await;
-                for ((idx, model), was_up) in models.iter().zip(&mut up) {
-                    let now_up = bus.is_up(model);
-                    if now_up != *was_up {
-                        *was_up = now_up;
-                        if now_up {
-                            tracing::info!(model = %model, "model's host is back on the bus");
-                        } else {
-                            tracing::warn!(
-                                model = %model,
-                                "model's host missed {MISSED_BEATS} heartbeats: down"
-                            );
+                for status in bus.replica_status() {
+                    telemetry::replica_seen(&status.model, &status.host, status.up, status.load);
+                }
+                for (idx, model) in &models {
+                    for (host, now_up) in bus.replicas_of(model) {
+                        let was_up = up.insert((*idx, host.clone()), now_up);
+                        if was_up.is_some_and(|was| was != now_up) || (was_up.is_none() && !now_up)
+                        {
+                            if now_up {
+                                tracing::info!(model = %model, %host, "replica back on the bus");
+                            } else {
+                                tracing::warn!(
+                                    model = %model,
+                                    %host,
+                                    "replica missed {MISSED_BEATS} heartbeats: down"
+                                );
+                            }
+                            on_change(*idx, &host, now_up);
                         }
-                        on_change(*idx, now_up);
                     }
                 }
             }
@@ -297,23 +307,114 @@ impl Bus {
         Ok(())
     }
 
-    /// Whether `model`'s host sent a heartbeat within the last `MISSED_BEATS` periods.
-    pub fn is_up(&self, model: &str) -> bool {
+    /// Records that `host` (a replica of `model`) is alive now, with its load when it said.
+    pub fn beat(&self, model: &str, host: &str, load: Option<usize>) {
+        let mut replicas = self.0.replicas.entry(model.to_string()).or_default();
+        let replica = replicas.entry(host.to_string()).or_insert(Replica {
+            last_beat: Instant::now(),
+            load: 0,
+            placed_since_beat: 0,
+            beaten: false,
+            placed_total: 0,
+        });
+        replica.last_beat = Instant::now();
+        if let Some(load) = load {
+            replica.load = load;
+            replica.placed_since_beat = 0;
+            replica.beaten = true;
+        }
+    }
+
+    /// Every remote replica this process knows of.
+    pub fn replica_status(&self) -> Vec<ReplicaStatus> {
+        let limit = self.0.heartbeat * MISSED_BEATS;
+        let mut all = Vec::new();
+        for entry in self.0.replicas.iter() {
+            for (host, r) in entry.value() {
+                all.push(ReplicaStatus {
+                    model: entry.key().clone(),
+                    host: host.clone(),
+                    up: r.last_beat.elapsed() < limit,
+                    load: r.load,
+                    placed: r.placed_total,
+                });
+            }
+        }
+        all.sort_by(|a, b| (&a.model, &a.host).cmp(&(&b.model, &b.host)));
+        all
+    }
+
+    /// Each known replica of `model` and whether it is up.
+    pub fn replicas_of(&self, model: &str) -> Vec<(String, bool)> {
+        let limit = self.0.heartbeat * MISSED_BEATS;
         self.0
-            .last_beat
+            .replicas
             .get(model)
-            .is_some_and(|at| at.elapsed() < self.0.heartbeat * MISSED_BEATS)
+            .map_or_else(Vec::new, |replicas| {
+                replicas
+                    .iter()
+                    .map(|(host, r)| (host.clone(), r.last_beat.elapsed() < limit))
+                    .collect()
+            })
     }
 
-    /// Whether `model`'s host has sent a heartbeat since this process joined.
+    /// Whether replica `host` of `model` is up.
+    pub fn replica_is_up(&self, model: &str, host: &str) -> bool {
+        self.replicas_of(model)
+            .iter()
+            .any(|(h, up)| h == host && *up)
+    }
+
+    /// Whether some replica of `model` has sent a heartbeat: it beats once it takes requests.
     pub fn has_beaten(&self, model: &str) -> bool {
-        self.0.beating.contains(model)
+        self.0
+            .replicas
+            .get(model)
+            .is_some_and(|replicas| replicas.values().any(|r| r.beaten))
     }
 
-    /// Marks `model` alive now (its host just answered).
-    pub fn saw(&self, model: &str) {
-        self.0.last_beat.insert(model.to_string(), Instant::now());
+    /// The up replica of `model` a new request should go to: the least loaded (its last
+    /// reported load plus what this process sent it since), the first by id among equals.
+    /// Replicas that have sent a heartbeat go first: one known only from its answer to
+    /// `describe` may still be starting (a worker that joins while others serve); with no
+    /// other, it is taken (at start-up every host answers before any request exists).
+    pub fn pick_replica(&self, model: &str) -> Option<String> {
+        let limit = self.0.heartbeat * MISSED_BEATS;
+        let mut replicas = self.0.replicas.get_mut(model)?;
+        let (host, replica) = replicas
+            .iter_mut()
+            .filter(|(_, r)| r.last_beat.elapsed() < limit)
+            .min_by_key(|(_, r)| (!r.beaten, r.load + r.placed_since_beat))?;
+        replica.placed_since_beat += 1;
+        replica.placed_total += 1;
+        telemetry::replica_placed(model, host);
+        Some(host.clone())
     }
+}
+
+/// One host of a model, as this process last heard of it.
+struct Replica {
+    last_beat: Instant,
+    load: usize,
+    /// Requests this process sent it since its last heartbeat (not in `load` yet).
+    placed_since_beat: usize,
+    /// It has sent a heartbeat (a describe answer alone does not count).
+    beaten: bool,
+    placed_total: u64,
+}
+
+/// A remote model's replica as this process sees it (`Runtime::replicas`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReplicaStatus {
+    pub model: String,
+    /// The hosting process's id on the bus.
+    pub host: String,
+    /// It sent a heartbeat within the last three periods.
+    pub up: bool,
+    /// Live requests there, as its last heartbeat said.
+    pub load: usize,
+    /// Requests this process placed there.
+    pub placed: u64,
 }
 
 fn hostname() -> String {

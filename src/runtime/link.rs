@@ -8,7 +8,9 @@ use super::batcher::BatcherActor;
 use super::cluster::{Bus, ClusterError};
 use super::core::{FailureKind, InFlight, RequestId, RequestParams};
 use super::live::LiveRequests;
-use super::messages::{Admit, Committed, Failed, Finished, Request, SetThreshold, Withdraw};
+use super::messages::{
+    Admit, Committed, Failed, Finished, Placed, Request, SetThreshold, Withdraw,
+};
 use super::request::RequestActor;
 use super::wire::{
     self, ClientEvent, WireAdmit, WireEvent, WireRequest, WireThreshold, WireWithdraw,
@@ -19,7 +21,7 @@ use crate::policy::{ModelIdx, SharedPolicy};
 use actix::prelude::*;
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -60,10 +62,11 @@ impl ModelLink {
     }
 }
 
-/// A model hosted by another process.
+/// A model hosted by other processes (one or more replicas).
 #[derive(Clone)]
 pub(crate) struct RemoteModel {
     pub bus: Bus,
+    pub idx: ModelIdx,
     pub name: Arc<str>,
 }
 
@@ -72,26 +75,42 @@ impl RemoteModel {
         self.bus.model_subject(&self.name, what)
     }
 
-    /// Publishes the arrivals, or fails them at once (retryable) while the host is down.
+    /// Sends each arrival to the replica holding its KV, or places a new one on the least
+    /// loaded replica (telling its front end where); fails it at once, retryably, when that
+    /// replica or every replica is down.
     fn admit(&self, arrivals: Vec<Request>) {
-        if !self.bus.is_up(&self.name) {
-            for request in arrivals {
-                request.client.failed(Failed {
+        let mut by_host: BTreeMap<Arc<str>, Vec<WireRequest>> = BTreeMap::new();
+        for mut request in arrivals {
+            let host = match request.hosts[self.idx].clone() {
+                Some(host) if self.bus.replica_is_up(&self.name, &host) => Some(host),
+                Some(_) => None,
+                None => self.bus.pick_replica(&self.name).map(|host| {
+                    let host: Arc<str> = host.into();
+                    request.hosts[self.idx] = Some(host.clone());
+                    request.client.placed(self.idx, &host);
+                    host
+                }),
+            };
+            match host {
+                Some(host) => by_host
+                    .entry(host)
+                    .or_default()
+                    .push(to_wire(request, self.bus.id())),
+                None => request.client.failed(Failed {
                     message: format!(
-                        "model `{}` is unavailable: its worker is not answering on the bus",
+                        "model `{}` is unavailable: no worker hosting it (or holding this \
+                         request) is answering on the bus",
                         self.name
                     ),
                     kind: FailureKind::Unavailable,
-                });
+                }),
             }
-            return;
         }
-        let requests = arrivals
-            .into_iter()
-            .map(|r| to_wire(r, self.bus.id()))
-            .collect();
-        self.bus
-            .publish(self.subject("admit"), wire::encode(&WireAdmit { requests }));
+        for (host, requests) in by_host {
+            let subject = self.bus.replica_subject(&self.name, &host, "admit");
+            self.bus
+                .publish(subject, wire::encode(&WireAdmit { requests }));
+        }
     }
 }
 
@@ -112,6 +131,11 @@ fn to_wire(request: Request, this_process: &str) -> WireRequest {
         handoff: request.handoff,
         timing: request.timing,
         frontend,
+        hosts: request
+            .hosts
+            .iter()
+            .map(|h| h.as_deref().map(str::to_string))
+            .collect(),
     }
 }
 
@@ -176,22 +200,50 @@ impl Client {
             }),
         }
     }
+
+    /// The request was just placed on replica `host` of model `model`.
+    pub fn placed(&self, model: ModelIdx, host: &str) {
+        match self {
+            Client::Local(actor) => actor.do_send(Placed {
+                model,
+                host: host.to_string(),
+            }),
+            Client::Remote(remote) => remote.send(WireEvent::Placed {
+                model,
+                host: host.to_string(),
+            }),
+        }
+    }
 }
 
-/// One of this process's requests: its actor, and the models its policy may visit.
+/// One of this process's requests: its actor, and where it was placed on remote models.
 struct OwnRequest {
     actor: Addr<RequestActor>,
-    models: Arc<[ModelIdx]>,
+    placed: Vec<(ModelIdx, String)>,
 }
 
 /// This process's own requests, by id: their actors, for events and arrivals from the bus,
-/// and the models each may visit, to fail the right ones when a model's host goes down.
+/// and the replicas each was placed on, to fail the right ones when a replica goes down.
 #[derive(Clone, Default)]
 pub(crate) struct FrontendRequests(Arc<DashMap<RequestId, OwnRequest>>);
 
 impl FrontendRequests {
-    pub fn insert(&self, rid: RequestId, actor: Addr<RequestActor>, models: Arc<[ModelIdx]>) {
-        self.0.insert(rid, OwnRequest { actor, models });
+    pub fn insert(&self, rid: RequestId, actor: Addr<RequestActor>) {
+        self.0.insert(
+            rid,
+            OwnRequest {
+                actor,
+                placed: Vec::new(),
+            },
+        );
+    }
+
+    /// Request `rid` now holds KV on replica `host` of `model`.
+    pub fn place(&self, rid: RequestId, model: ModelIdx, host: String) {
+        if let Some(mut own) = self.0.get_mut(&rid) {
+            own.placed.retain(|(m, _)| *m != model);
+            own.placed.push((model, host));
+        }
     }
 
     pub fn remove(&self, rid: RequestId) {
@@ -202,14 +254,16 @@ impl FrontendRequests {
         self.0.get(&rid).map(|entry| entry.actor.clone())
     }
 
-    /// Fails (retryably) every request that may visit `model`.
-    pub fn fail_visitors_of(&self, model: ModelIdx, name: &str) {
+    /// Fails (retryably) every request placed on replica `host` of `model`: its KV there
+    /// is gone, and this process cannot tell how far that replica got.
+    pub fn fail_placed_on(&self, model: ModelIdx, name: &str, host: &str) {
         for entry in self.0.iter() {
             let own = entry.value();
-            if own.models.contains(&model) {
+            if own.placed.iter().any(|(m, h)| *m == model && h == host) {
                 own.actor.do_send(Failed {
                     message: format!(
-                        "model `{name}`'s worker stopped answering on the bus; retry the request"
+                        "model `{name}`'s worker {host} stopped answering on the bus; retry \
+                         the request"
                     ),
                     kind: FailureKind::Unavailable,
                 });
@@ -269,7 +323,7 @@ impl BusSide {
         let (side, batcher, name) = (self.clone(), model.batcher.clone(), model.name.clone());
         let recent = ended.clone();
         bus.subscribe(
-            bus.model_subject(&model.name, "admit"),
+            bus.replica_subject(&model.name, bus.id(), "admit"),
             move |payload, _| match wire::decode::<WireAdmit>(payload) {
                 Ok(admit) => {
                     let recent = recent.lock().unwrap_or_else(|e| e.into_inner());
@@ -345,6 +399,7 @@ impl BusSide {
                         prompt_tokens,
                     }),
                     WireEvent::Failed { message, kind } => actor.do_send(Failed { message, kind }),
+                    WireEvent::Placed { model, host } => frontend.place(rid, model, host),
                 }
             })
     }
@@ -398,6 +453,11 @@ impl BusSide {
             handoff: request.handoff,
             arrived: Instant::now(),
             timing: request.timing,
+            hosts: request
+                .hosts
+                .into_iter()
+                .map(|h| h.map(Arc::from))
+                .collect(),
         })
     }
 

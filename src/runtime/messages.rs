@@ -89,3 +89,11 @@ pub(crate) struct Cancel;
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Start(pub Request);
+
+/// Model's host → request: it now holds KV on replica `host` of `model` (`[cluster]`).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Placed {
+    pub model: ModelIdx,
+    pub host: String,
+}

@@ -19,7 +19,7 @@ mod wire;
 pub use self::core::{
     EngineTiming, FailureKind, FinishReason, ReleaseReason, RequestId, RoutingStats, TokenLogprobs,
 };
-pub use cluster::ClusterError;
+pub use cluster::{ClusterError, ReplicaStatus};
 pub use record::{ModelSnapshot, Releases, RuntimeSnapshot, StepInterval};
 pub use request::RequestEvent;
 pub use system::{

@@ -7,7 +7,7 @@ use super::core::{
 };
 use super::link::{FrontendRequests, ModelLink};
 use super::live::LiveRequests;
-use super::messages::{Cancel, Committed, Failed, Finished, Start};
+use super::messages::{Cancel, Committed, Failed, Finished, Placed, Start};
 use crate::policy::ModelIdx;
 use crate::telemetry::{RequestMetrics, RequestStatus};
 use actix::prelude::*;
@@ -184,5 +184,15 @@ impl Handler<Cancel> for RequestActor {
 
     fn handle(&mut self, _msg: Cancel, ctx: &mut Context<Self>) {
         ctx.stop();
+    }
+}
+
+impl Handler<Placed> for RequestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Placed, _ctx: &mut Context<Self>) {
+        if let Some(frontend) = &self.frontend {
+            frontend.place(self.rid, msg.model, msg.host);
+        }
     }
 }

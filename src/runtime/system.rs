@@ -2,7 +2,7 @@
 //! that the CLI, the server and the bench call. Must be used inside a running actix System.
 
 use super::batcher::{AttachModel, BatcherActor};
-use super::cluster::{Bus, ClusterError};
+use super::cluster::{Bus, ClusterError, ReplicaStatus};
 use super::core::{
     BatchGate, EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RequestParams,
     RoutingStats,
@@ -354,7 +354,10 @@ impl Runtime {
         };
         let facts: Vec<Option<ModelFacts>> = executors
             .iter()
-            .map(|e| e.as_ref().map(|e| facts_of(e.as_ref(), mode)))
+            .map(|e| {
+                let host = bus.as_ref().map_or("", |b| b.id());
+                e.as_ref().map(|e| facts_of(e.as_ref(), mode, host))
+            })
             .collect();
         let facts = match &bus {
             None => facts.into_iter().map(|f| f.expect("hosted")).collect(),
@@ -427,10 +430,12 @@ impl Runtime {
         let links: Vec<ModelLink> = batchers
             .iter()
             .zip(&model_names[..])
-            .map(|(batcher, name)| match (batcher, &bus) {
+            .enumerate()
+            .map(|(idx, (batcher, name))| match (batcher, &bus) {
                 (Some(batcher), _) => ModelLink::Local(batcher.clone()),
                 (None, Some(bus)) => ModelLink::Remote(RemoteModel {
                     bus: bus.clone(),
+                    idx,
                     name: name.as_str().into(),
                 }),
                 (None, None) => unreachable!("a model hosted elsewhere needs the bus"),
@@ -508,7 +513,8 @@ impl Runtime {
                 side.serve_model(model)?;
             }
             side.serve_clients()?;
-            bus.beat_for(names);
+            let load = live.clone();
+            bus.beat_for(names, move || load.len());
             let elsewhere: Vec<(usize, String)> = hosted
                 .iter()
                 .enumerate()
@@ -516,9 +522,9 @@ impl Runtime {
                 .map(|(idx, _)| (idx, model_names[idx].clone()))
                 .collect();
             let (watcher, names) = (frontend.clone(), model_names.clone());
-            bus.watch(elsewhere.clone(), move |idx, up| {
+            bus.watch(elsewhere.clone(), move |idx, host, up| {
                 if !up {
-                    watcher.fail_visitors_of(idx, &names[idx]);
+                    watcher.fail_placed_on(idx, &names[idx], host);
                 }
             })?;
             // A front end takes requests once every model's host listens (it beats only then).
@@ -651,6 +657,11 @@ impl Runtime {
             .collect()
     }
 
+    /// The replicas of the models other processes host, as this process sees them.
+    pub fn replicas(&self) -> Vec<ReplicaStatus> {
+        self.bus.as_ref().map_or_else(Vec::new, Bus::replica_status)
+    }
+
     /// Requests that have not ended yet.
     pub fn live_requests(&self) -> usize {
         self.live.len()
@@ -752,7 +763,7 @@ impl Runtime {
         )
         .start();
         if let Some(frontend) = &self.frontend {
-            frontend.insert(rid, actor.clone(), policy.models().into());
+            frontend.insert(rid, actor.clone());
         }
         let policy_name = policy.name().to_string();
         let in_flight = InFlight {
@@ -777,6 +788,7 @@ impl Runtime {
             handoff: None,
             arrived: Instant::now(),
             timing: EngineTiming::default(),
+            hosts: vec![None; self.models.len()],
         };
         actor.do_send(Start(in_flight));
         RequestHandle {
@@ -803,8 +815,9 @@ impl Runtime {
     }
 }
 
-fn facts_of(executor: &dyn StepExecutor, mode: ExecutionMode) -> ModelFacts {
+fn facts_of(executor: &dyn StepExecutor, mode: ExecutionMode, host: &str) -> ModelFacts {
     ModelFacts {
+        host: host.to_string(),
         mode,
         vocab_size: executor.vocab_size(),
         hidden_size: executor.hidden_size(),
@@ -867,7 +880,7 @@ fn join(
                     }
                     .into());
                 }
-                bus.saw(name);
+                bus.beat(name, &facts.host, None);
                 known[idx] = Some(facts);
                 break;
             }

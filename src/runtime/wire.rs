@@ -66,6 +66,8 @@ pub(crate) struct WireRequest {
     pub timing: EngineTiming,
     /// The process whose `RequestActor` streams this request to its client.
     pub frontend: String,
+    /// Per model, the replica holding this request's KV there (`None`: not placed yet).
+    pub hosts: Vec<Option<String>>,
 }
 
 /// Arrivals for one model (`<prefix>.model.<name>.admit`).
@@ -90,6 +92,8 @@ pub(crate) struct WireThreshold {
 /// the other processes check requests and policies against.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct ModelFacts {
+    /// The replica that answered.
+    pub host: String,
     /// The host's execution mode: every process of one deployment must run the same.
     pub mode: ExecutionMode,
     pub vocab_size: usize,
@@ -102,6 +106,8 @@ pub(crate) struct ModelFacts {
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Heartbeat {
     pub host: String,
+    /// Requests live on that host.
+    pub load: usize,
 }
 
 /// An event for one request's client (`<prefix>.client.<frontend>`).
@@ -127,6 +133,11 @@ pub(crate) enum WireEvent {
     Failed {
         message: String,
         kind: FailureKind,
+    },
+    /// The request was placed on replica `host` of `model` (it stays there while its KV does).
+    Placed {
+        model: ModelIdx,
+        host: String,
     },
 }
 
@@ -160,6 +171,7 @@ mod tests {
                 }),
                 timing: EngineTiming::default(),
                 frontend: "f1".into(),
+                hosts: vec![None, Some("h2".into())],
             }],
         };
         let bytes = encode(&admit);

@@ -128,6 +128,9 @@ pub(crate) struct InFlight<C> {
     /// When it reached the current model's batcher (admission delay).
     pub arrived: Instant,
     pub timing: EngineTiming,
+    /// Per model hosted in other processes, the replica holding its KV there (`[cluster]`):
+    /// a request returns to the replica it was placed on.
+    pub hosts: Vec<Option<Arc<str>>>,
 }
 
 impl<C> InFlight<C> {

@@ -713,6 +713,7 @@ mod tests {
             handoff: None,
             arrived: Instant::now(),
             timing: EngineTiming::default(),
+            hosts: vec![None; 2],
         }
     }
 
