@@ -119,6 +119,19 @@ impl std::fmt::Debug for ClusterConfig {
 }
 
 impl ClusterConfig {
+    /// The bus at `url` with every other setting at its default.
+    pub fn at(url: &str) -> Self {
+        Self {
+            url: url.to_string(),
+            token: None,
+            token_env: default_token_env(),
+            subject_prefix: default_subject_prefix(),
+            heartbeat_ms: default_heartbeat_ms(),
+            join_timeout_ms: default_join_timeout_ms(),
+            tls_ca: None,
+        }
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         let field = |f: &str, why: &str| Err(ConfigError::Invalid(format!("cluster.{f}: {why}")));
         if self.url.trim().is_empty() {

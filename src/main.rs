@@ -135,6 +135,15 @@ struct WorkerArgs {
     /// A configured model to host (repeat for several).
     #[arg(long = "model", required = true)]
     models: Vec<String>,
+    /// The NATS server, overriding (or standing in for) the config's `[cluster] url`.
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Subject prefix, overriding `[cluster] subject_prefix`.
+    #[arg(long)]
+    subject_prefix: Option<String>,
+    /// Execution mode, overriding the config's (the front ends must run the same).
+    #[arg(long)]
+    mode: Option<ExecutionMode>,
 }
 
 #[derive(Args)]
@@ -511,9 +520,18 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Hosts the models until SIGTERM or SIGINT; the front ends see its heartbeats stop.
 fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
-    let config = ready_config(&args.config)?;
+    let mut config = ready_config(&args.config)?;
+    if let Some(url) = &args.nats_url {
+        let cluster = config
+            .cluster
+            .get_or_insert_with(|| tokenrouter::config::ClusterConfig::at(url));
+        cluster.url = url.clone();
+    }
+    if let (Some(prefix), Some(cluster)) = (&args.subject_prefix, &mut config.cluster) {
+        cluster.subject_prefix = prefix.clone();
+    }
     actix::System::new().block_on(async move {
-        let runtime = Runtime::start_worker(&config, &args.models)?;
+        let runtime = Runtime::start_worker(&config, &args.models, args.mode)?;
         tracing::info!(models = ?args.models, "worker hosting");
         let mut terminate =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

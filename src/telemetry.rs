@@ -36,6 +36,7 @@ pub const MODEL_RESTARTS_TOTAL: &str = "tokenrouter_model_restarts_total";
 pub const CLUSTER_REPLICA_UP: &str = "tokenrouter_cluster_replica_up";
 pub const CLUSTER_REPLICA_LOAD: &str = "tokenrouter_cluster_replica_load";
 pub const CLUSTER_PLACEMENTS_TOTAL: &str = "tokenrouter_cluster_placements_total";
+pub const CLUSTER_BUS_RTT_SECONDS: &str = "tokenrouter_cluster_bus_rtt_seconds";
 
 /// Step and delay buckets: CPU steps take 5–200 ms, GPU steps well under 5 ms.
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -60,6 +61,7 @@ pub fn install() -> PrometheusHandle {
                 (TIME_TO_FIRST_TOKEN_SECONDS, &REQUEST_BUCKETS[..]),
                 (REQUEST_DURATION_SECONDS, &REQUEST_BUCKETS[..]),
                 (BATCH_SIZE, &BATCH_BUCKETS[..]),
+                (CLUSTER_BUS_RTT_SECONDS, &LATENCY_BUCKETS[..]),
             ]
             .into_iter()
             .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
@@ -178,6 +180,17 @@ fn describe() {
         CLUSTER_PLACEMENTS_TOTAL,
         "Requests this process placed on a remote model's replica"
     );
+    describe_histogram!(
+        CLUSTER_BUS_RTT_SECONDS,
+        Unit::Seconds,
+        "Round trip of a ping to a remote model's replica over the bus"
+    );
+}
+
+/// A ping to a remote replica came back after `rtt`.
+pub fn bus_round_trip(model: &str, host: &str, rtt: std::time::Duration) {
+    let labels = [("model", model.to_string()), ("host", host.to_string())];
+    histogram!(CLUSTER_BUS_RTT_SECONDS, &labels).record(rtt.as_secs_f64());
 }
 
 /// A remote replica's liveness and reported load.

@@ -10,6 +10,7 @@ pub mod parity;
 pub mod plots;
 pub mod prompts;
 pub mod quality;
+pub mod remote;
 pub mod routing;
 pub mod slow_clients;
 pub mod soak;

@@ -8,6 +8,7 @@
 //! mid-cell stretches the other requests' inter-token gaps.
 
 use super::median;
+use super::remote;
 use super::soak::quantile;
 use super::std_serving::{self, Breakdown};
 use super::workloads::{self, Workload};
@@ -36,6 +37,9 @@ const PREDICTION_DELTA_MS: f64 = 0.5;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BenchMode {
     Runtime(ExecutionMode),
+    /// The runtime in that mode with the reference model in a `tokenrouter worker` process,
+    /// over a NATS server the bench starts (`<mode>-remote`).
+    Remote(ExecutionMode),
     /// The reference model serves every token (`async` runtime, its `single` policy).
     LlmOnly,
     /// Single-model servers and an external per-token dispatcher (`std_serving`).
@@ -46,6 +50,10 @@ impl BenchMode {
     pub fn as_str(self) -> &'static str {
         match self {
             BenchMode::Runtime(mode) => mode.as_str(),
+            BenchMode::Remote(ExecutionMode::Lockstep) => "lockstep-remote",
+            BenchMode::Remote(ExecutionMode::Standard) => "standard-remote",
+            BenchMode::Remote(ExecutionMode::Async) => "async-remote",
+            BenchMode::Remote(ExecutionMode::Tokenrouter) => "tokenrouter-remote",
             BenchMode::LlmOnly => "llm-only",
             BenchMode::StdServing => "std-serving",
         }
@@ -54,7 +62,7 @@ impl BenchMode {
     /// The runtime this mode's cells run on; none for `std-serving` (its own servers).
     fn execution_mode(self) -> Option<ExecutionMode> {
         match self {
-            BenchMode::Runtime(mode) => Some(mode),
+            BenchMode::Runtime(mode) | BenchMode::Remote(mode) => Some(mode),
             BenchMode::LlmOnly => Some(ExecutionMode::Async),
             BenchMode::StdServing => None,
         }
@@ -68,10 +76,15 @@ impl std::str::FromStr for BenchMode {
         match s {
             "llm-only" => Ok(BenchMode::LlmOnly),
             "std-serving" => Ok(BenchMode::StdServing),
+            other if other.ends_with("-remote") => other
+                .trim_end_matches("-remote")
+                .parse()
+                .map(BenchMode::Remote)
+                .map_err(|e| format!("{e} (before -remote)")),
             other => other
                 .parse()
                 .map(BenchMode::Runtime)
-                .map_err(|e| format!("{e}, llm-only or std-serving")),
+                .map_err(|e| format!("{e}, llm-only, std-serving or <mode>-remote")),
         }
     }
 }
@@ -146,6 +159,9 @@ pub struct RoutingBenchRow {
     pub per_model: Vec<ModelCell>,
     /// `std-serving`: where the dispatcher's time per token went.
     pub std_serving_breakdown: Option<Breakdown>,
+    /// `<mode>-remote`: the bus's ping round trip to the remote model during the cell,
+    /// median and p99 in µs (what a handoff to the other process adds).
+    pub bus_round_trip_us: Option<(f64, f64)>,
     /// A hash of every request's output tokens in request order: two cells of one run with
     /// equal digests produced identical tokens.
     pub outputs_digest: String,
@@ -558,10 +574,28 @@ pub async fn run(
     let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
     let costs = config.step_costs()?;
     let mut runtimes = Vec::new();
+    let mut bus = None;
     for &mode in &settings.modes {
-        if let Some(execution) = mode.execution_mode() {
-            runtimes.push((mode, Rc::new(Runtime::start(&config, Some(execution))?)));
-        }
+        let runtime = match mode {
+            BenchMode::Remote(execution) => {
+                let bus = match &mut bus {
+                    Some(bus) => bus,
+                    None => bus.insert(remote::Bus::start()?),
+                };
+                let remote = bus.host(
+                    &settings.config_path,
+                    &config,
+                    &settings.reference,
+                    execution,
+                )?;
+                Runtime::start(&remote, Some(execution))?
+            }
+            other => match other.execution_mode() {
+                Some(execution) => Runtime::start(&config, Some(execution))?,
+                None => continue,
+            },
+        };
+        runtimes.push((mode, Rc::new(runtime)));
     }
     // Policies, prompts and the reference come from a runtime of their own: the reference run
     // leaves each round's prompts in its prefix caches, and a measured mode sharing them ran
@@ -631,6 +665,7 @@ pub async fn run(
                                 _ => policy,
                             };
                             let before = Snapshot::take(runtime);
+                            runtime.take_bus_round_trips();
                             let t = closed_loop(
                                 runtime.clone(),
                                 prompts.clone(),
@@ -640,16 +675,23 @@ pub async fn run(
                             )
                             .await;
                             let after = Snapshot::take(runtime);
+                            let round_trips = runtime.take_bus_round_trips();
                             let seconds = (after.at - before.at).as_secs_f64();
+                            // A remote model's steps are not recorded here.
+                            let remote = matches!(mode, BenchMode::Remote(_));
                             let prediction = |source| {
-                                predicted(
-                                    runtime,
-                                    mode,
-                                    concurrency,
-                                    timeout,
-                                    (&before, &after),
-                                    source,
-                                )
+                                (!remote)
+                                    .then(|| {
+                                        predicted(
+                                            runtime,
+                                            mode,
+                                            concurrency,
+                                            timeout,
+                                            (&before, &after),
+                                            source,
+                                        )
+                                    })
+                                    .flatten()
                             };
                             RoutingBenchRow {
                                 predicted_tokens_per_s: prediction(LatencySource::CellSteps),
@@ -670,6 +712,7 @@ pub async fn run(
                                     })
                                     .collect(),
                                 per_model: model_cells(&names, &before, &after),
+                                bus_round_trip_us: round_trips_us(&round_trips),
                                 ..cell.row(t, seconds, &names, &reference, settings)
                             }
                         }
@@ -778,9 +821,16 @@ impl CellId<'_> {
             prefix_cached_share: Vec::new(),
             per_model: Vec::new(),
             std_serving_breakdown: None,
+            bus_round_trip_us: None,
             outputs_digest: format!("{:016x}", digest.finish()),
         }
     }
+}
+
+/// Median and p99 of round trips, in µs; none without any.
+fn round_trips_us(round_trips: &[Duration]) -> Option<(f64, f64)> {
+    let us: Vec<f64> = round_trips.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    Some((quantile(&us, 0.5)?, quantile(&us, 0.99)?))
 }
 
 fn optional(value: Option<f64>, suffix: &str) -> String {
@@ -948,6 +998,18 @@ pub fn summary(rows: &[RoutingBenchRow]) -> String {
                 checks.join("; ")
             );
         }
+        let round_trips: Vec<String> = rows
+            .iter()
+            .filter(|r| r.policy == policy && r.concurrency == n)
+            .filter_map(|r| r.bus_round_trip_us.map(|rt| (r, rt)))
+            .map(|(r, (p50, p99))| format!("{} round {}: {p50:.0} / {p99:.0} µs", r.mode, r.round))
+            .collect();
+        if !round_trips.is_empty() {
+            comparisons += &format!(
+                "\n{policy}, N = {n}: bus round trip to the remote model (median / p99): {}\n",
+                round_trips.join("; ")
+            );
+        }
         let against: Vec<String> = medians
             .iter()
             .filter(|(m, _)| *m != "tokenrouter")
@@ -996,4 +1058,28 @@ pub fn ratios(rows: &[RoutingBenchRow]) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_with_a_remote_twin_and_name_it_back() {
+        for name in [
+            "tokenrouter",
+            "async-remote",
+            "tokenrouter-remote",
+            "llm-only",
+        ] {
+            let mode: BenchMode = name.parse().unwrap();
+            assert_eq!(mode.as_str(), name);
+        }
+        assert_eq!(
+            "standard-remote".parse::<BenchMode>(),
+            Ok(BenchMode::Remote(ExecutionMode::Standard))
+        );
+        let err = "fast-remote".parse::<BenchMode>().unwrap_err();
+        assert!(err.contains("before -remote"), "{err}");
+    }
 }

@@ -19,7 +19,7 @@ use crate::config::ClusterConfig;
 use crate::telemetry;
 use dashmap::DashMap;
 use futures_util::StreamExt;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -62,7 +62,12 @@ struct BusInner {
     replicas: DashMap<String, BTreeMap<String, Replica>>,
     /// Subscriptions, heartbeats and watchers, ended by `close`.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// The latest round trips of pings to remote replicas, newest last.
+    round_trips: Mutex<VecDeque<Duration>>,
 }
+
+/// Round trips kept for `Bus::round_trips`.
+const ROUND_TRIPS_KEPT: usize = 4096;
 
 impl Bus {
     /// Connects (token and TLS as configured) and starts the bus thread.
@@ -136,6 +141,7 @@ impl Bus {
             heartbeat: Duration::from_millis(config.heartbeat_ms),
             replicas: DashMap::new(),
             tasks: Mutex::new(Vec::new()),
+            round_trips: Mutex::new(VecDeque::new()),
         })))
     }
 
@@ -305,6 +311,62 @@ impl Bus {
             }
         });
         Ok(())
+    }
+
+    /// Answers pings for `model` hosted here (`<prefix>.model.<model>.<host>.ping`).
+    pub fn answer_pings(&self, model: &str) -> Result<(), ClusterError> {
+        let replier = self.clone();
+        self.subscribe(
+            self.replica_subject(model, self.id(), "ping"),
+            move |_, reply| {
+                if let Some(reply) = reply {
+                    replier.publish(reply.to_string(), Vec::new());
+                }
+            },
+        )
+    }
+
+    /// Pings every up replica of `models` four times per heartbeat: the round trip of a
+    /// message and its answer over the bus, what a handoff to another process adds (its
+    /// arrivals there, its tokens back). Exported as `tokenrouter_cluster_bus_rtt_seconds`.
+    pub fn ping(&self, models: Vec<String>) {
+        let bus = self.clone();
+        self.spawn(async move {
+            let mut every = tokio::time::interval(bus.0.heartbeat / 4);
+            loop {
+                every.tick().await;
+                for model in &models {
+                    for (host, up) in bus.replicas_of(model) {
+                        if !up {
+                            continue;
+                        }
+                        let subject = bus.replica_subject(model, &host, "ping");
+                        let sent = Instant::now();
+                        let answer = tokio::time::timeout(
+                            bus.0.heartbeat,
+                            bus.0.client.request(subject, Vec::new().into()),
+                        )
+                        .await;
+                        if let Ok(Ok(_)) = answer {
+                            let rtt = sent.elapsed();
+                            telemetry::bus_round_trip(model, &host, rtt);
+                            let mut kept =
+                                bus.0.round_trips.lock().unwrap_or_else(|e| e.into_inner());
+                            kept.push_back(rtt);
+                            if kept.len() > ROUND_TRIPS_KEPT {
+                                kept.pop_front();
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// The round trips measured since the last call (oldest first).
+    pub fn take_round_trips(&self) -> Vec<Duration> {
+        let mut kept = self.0.round_trips.lock().unwrap_or_else(|e| e.into_inner());
+        kept.drain(..).collect()
     }
 
     /// Records that `host` (a replica of `model`) is alive now, with its load when it said.

@@ -266,7 +266,12 @@ impl Runtime {
     }
 
     /// `tokenrouter worker`: hosts `models` (by name) for the front ends on the config's bus.
-    pub fn start_worker(config: &Config, models: &[String]) -> Result<Self, RuntimeError> {
+    /// `mode` overrides the config's (every process of a deployment must run the same).
+    pub fn start_worker(
+        config: &Config,
+        models: &[String],
+        mode: Option<ExecutionMode>,
+    ) -> Result<Self, RuntimeError> {
         if config.cluster.is_none() {
             return Err(ConfigError::Invalid(
                 "a worker needs a [cluster] section with the NATS url".into(),
@@ -285,7 +290,7 @@ impl Runtime {
                 "a worker must host at least one model (--model NAME)".into(),
             ));
         }
-        Self::start_hosting(config, None, hosted, Role::Worker)
+        Self::start_hosting(config, mode, hosted, Role::Worker)
     }
 
     fn start_hosting(
@@ -510,6 +515,7 @@ impl Runtime {
             };
             let names: Vec<String> = hosted_models.iter().map(|m| m.name.clone()).collect();
             for model in hosted_models {
+                bus.answer_pings(&model.name)?;
                 side.serve_model(model)?;
             }
             side.serve_clients()?;
@@ -527,6 +533,7 @@ impl Runtime {
                     watcher.fail_placed_on(idx, &names[idx], host);
                 }
             })?;
+            bus.ping(elsewhere.iter().map(|(_, name)| name.clone()).collect());
             // A front end takes requests once every model's host listens (it beats only then).
             if matches!(role, Role::Frontend) {
                 let join_timeout = config.cluster.as_ref().map_or(0, |c| c.join_timeout_ms);
@@ -660,6 +667,13 @@ impl Runtime {
     /// The replicas of the models other processes host, as this process sees them.
     pub fn replicas(&self) -> Vec<ReplicaStatus> {
         self.bus.as_ref().map_or_else(Vec::new, Bus::replica_status)
+    }
+
+    /// Round trips of pings to remote replicas since the last call (`[cluster]`).
+    pub fn take_bus_round_trips(&self) -> Vec<Duration> {
+        self.bus
+            .as_ref()
+            .map_or_else(Vec::new, Bus::take_round_trips)
     }
 
     /// Requests that have not ended yet.
