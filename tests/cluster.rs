@@ -16,7 +16,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, ExecutionMode};
-use tokenrouter::engine::SamplingParams;
 use tokenrouter::runtime::{GenerateRequest, Runtime, RuntimeError};
 
 const TOKEN: &str = "cluster-test-token-51c9";
@@ -173,19 +172,17 @@ threshold = 1.0
     (worker_config, frontend)
 }
 
-fn request(prompt: &[u32], policy: &str, max_tokens: usize, seed: u64) -> GenerateRequest {
-    GenerateRequest {
-        prompt: prompt.to_vec(),
-        policy: Some(policy.into()),
-        max_tokens,
-        sampling: SamplingParams {
-            seed,
-            ..SamplingParams::greedy()
-        },
-        timeout: None,
-        ignore_eos: false,
+/// `config` with every model in this process and no bus: the reference a cluster must match.
+fn in_one_process(config: &Config) -> Config {
+    let mut local = config.clone();
+    local.cluster = None;
+    for m in &mut local.models {
+        m.placement = tokenrouter::config::Placement::Local;
     }
+    local
 }
+
+use common::greedy_request as request;
 
 fn prompts() -> Vec<Vec<u32>> {
     (0..6u32)
@@ -221,12 +218,7 @@ async fn greedy_tokens_across_processes_match_one_process_in_every_mode() {
     let dir = tempfile::tempdir().unwrap();
     for mode in ["async", "standard", "tokenrouter"] {
         let (worker_config, frontend) = write_configs(dir.path(), nats.port, mode);
-        let mut one_process = frontend.clone();
-        one_process.cluster = None;
-        for m in &mut one_process.models {
-            m.placement = tokenrouter::config::Placement::Local;
-        }
-        let local = Runtime::start(&one_process, None).unwrap();
+        let local = Runtime::start(&in_one_process(&frontend), None).unwrap();
         let want = run(&local, 24).await;
         local.shutdown();
 
@@ -566,12 +558,7 @@ async fn the_real_pair_on_two_workers_writes_the_tokens_of_one_process() {
     };
     for mode in ["async", "standard", "tokenrouter"] {
         let (worker_config, frontend) = real_pair_config(dir.path(), &model, nats.port, mode);
-        let mut one_process = frontend.clone();
-        one_process.cluster = None;
-        for m in &mut one_process.models {
-            m.placement = tokenrouter::config::Placement::Local;
-        }
-        let local = Runtime::start(&one_process, None).unwrap();
+        let local = Runtime::start(&in_one_process(&frontend), None).unwrap();
         let want = run(&local).await;
         local.shutdown();
 
@@ -602,11 +589,6 @@ async fn two_replicas_share_the_requests_and_write_one_replicas_tokens() {
     let Some(nats) = nats_server() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
-    let mut one_process = frontend.clone();
-    one_process.cluster = None;
-    for m in &mut one_process.models {
-        m.placement = tokenrouter::config::Placement::Local;
-    }
     let requests: Vec<GenerateRequest> = (0..32u64)
         .map(|i| {
             request(
@@ -630,7 +612,7 @@ async fn two_replicas_share_the_requests_and_write_one_replicas_tokens() {
             out
         }
     };
-    let local = Runtime::start(&one_process, None).unwrap();
+    let local = Runtime::start(&in_one_process(&frontend), None).unwrap();
     let want = run(&local).await;
     local.shutdown();
 

@@ -8,8 +8,7 @@ use common::{Arch, TinySpec};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, ExecutionMode, TokenBudget};
-use tokenrouter::engine::SamplingParams;
-use tokenrouter::runtime::{Completion, GenerateRequest, RequestEvent, Runtime, RuntimeError};
+use tokenrouter::runtime::{Completion, RequestEvent, Runtime, RuntimeError};
 use tokenrouter::runtime::{ModelSnapshot, StepInterval};
 
 /// Two tiny models of one vocabulary (different seeds), an `me` policy over both.
@@ -56,19 +55,7 @@ fn prompts(n: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn request(prompt: &[u32], policy: &str, max_tokens: usize, seed: u64) -> GenerateRequest {
-    GenerateRequest {
-        prompt: prompt.to_vec(),
-        policy: Some(policy.into()),
-        max_tokens,
-        sampling: SamplingParams {
-            seed,
-            ..SamplingParams::greedy()
-        },
-        timeout: None,
-        ignore_eos: false,
-    }
-}
+use common::greedy_request as request;
 
 /// Runs every prompt with at most `concurrency` requests in flight.
 async fn run_all(

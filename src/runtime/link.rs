@@ -11,7 +11,7 @@ use super::live::LiveRequests;
 use super::messages::{
     Admit, Committed, Failed, Finished, Placed, Request, SetThreshold, Withdraw,
 };
-use super::request::RequestActor;
+use super::request::{RequestActor, RequestEvent};
 use super::wire::{
     self, ClientEvent, WireAdmit, WireEvent, WireRequest, WireThreshold, WireWithdraw,
 };
@@ -171,33 +171,33 @@ impl Client {
     pub fn committed(&self, msg: Committed) {
         match self {
             Client::Local(actor) => actor.do_send(msg),
-            Client::Remote(remote) => remote.send(WireEvent::Committed {
-                token: msg.token,
+            Client::Remote(remote) => remote.send(WireEvent::Request(RequestEvent::Token {
+                id: msg.token,
                 model: msg.model,
                 logprobs: msg.logprobs,
-            }),
+            })),
         }
     }
 
     pub fn finished(&self, msg: Finished) {
         match self {
             Client::Local(actor) => actor.do_send(msg),
-            Client::Remote(remote) => remote.send(WireEvent::Finished {
+            Client::Remote(remote) => remote.send(WireEvent::Request(RequestEvent::Finished {
                 reason: msg.reason,
                 stats: msg.stats,
                 timing: msg.timing,
                 prompt_tokens: msg.prompt_tokens,
-            }),
+            })),
         }
     }
 
     pub fn failed(&self, msg: Failed) {
         match self {
             Client::Local(actor) => actor.do_send(msg),
-            Client::Remote(remote) => remote.send(WireEvent::Failed {
+            Client::Remote(remote) => remote.send(WireEvent::Request(RequestEvent::Failed {
                 message: msg.message,
                 kind: msg.kind,
-            }),
+            })),
         }
     }
 
@@ -378,27 +378,29 @@ impl BusSide {
                     return;
                 };
                 match event {
-                    WireEvent::Committed {
-                        token,
+                    WireEvent::Request(RequestEvent::Token {
+                        id,
                         model,
                         logprobs,
-                    } => actor.do_send(Committed {
-                        token,
+                    }) => actor.do_send(Committed {
+                        token: id,
                         model,
                         logprobs,
                     }),
-                    WireEvent::Finished {
+                    WireEvent::Request(RequestEvent::Finished {
                         reason,
                         stats,
                         timing,
                         prompt_tokens,
-                    } => actor.do_send(Finished {
+                    }) => actor.do_send(Finished {
                         reason,
                         stats,
                         timing,
                         prompt_tokens,
                     }),
-                    WireEvent::Failed { message, kind } => actor.do_send(Failed { message, kind }),
+                    WireEvent::Request(RequestEvent::Failed { message, kind }) => {
+                        actor.do_send(Failed { message, kind })
+                    }
                     WireEvent::Placed { model, host } => frontend.place(rid, model, host),
                 }
             })

@@ -14,8 +14,9 @@ use actix::prelude::*;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
-/// What a client receives, in order: tokens, then exactly one `Finished` or `Failed`.
-#[derive(Debug, Clone, PartialEq)]
+/// What a client receives, in order: tokens, then exactly one `Finished` or `Failed` (also
+/// what crosses the cluster bus to a request's front end).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum RequestEvent {
     Token {
         id: u32,

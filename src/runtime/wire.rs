@@ -4,9 +4,8 @@
 //! because `nats sub 'tokenrouter.>'` then shows an operator what travels. A process refuses
 //! a payload of another version with a logged error instead of misreading it.
 
-use super::core::{
-    EngineTiming, FailureKind, FinishReason, RequestId, RoutingStats, TokenLogprobs,
-};
+use super::core::{EngineTiming, RequestId, RoutingStats};
+use super::request::RequestEvent;
 use crate::config::{ExecutionMode, PolicyConfig};
 use crate::engine::SamplingParams;
 use crate::policy::{Handoff, ModelIdx, RoutingState};
@@ -119,26 +118,10 @@ pub(crate) struct ClientEvent {
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum WireEvent {
-    Committed {
-        token: u32,
-        model: ModelIdx,
-        logprobs: Option<TokenLogprobs>,
-    },
-    Finished {
-        reason: FinishReason,
-        stats: RoutingStats,
-        timing: EngineTiming,
-        prompt_tokens: usize,
-    },
-    Failed {
-        message: String,
-        kind: FailureKind,
-    },
+    /// A token, the finish or the failure, as the client will see it.
+    Request(RequestEvent),
     /// The request was placed on replica `host` of `model` (it stays there while its KV does).
-    Placed {
-        model: ModelIdx,
-        host: String,
-    },
+    Placed { model: ModelIdx, host: String },
 }
 
 #[cfg(test)]

@@ -577,3 +577,23 @@ pub fn hf_copy_of_gguf(gguf: &Path, dir: &Path) -> PathBuf {
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
     dir.to_path_buf()
 }
+
+/// A greedy request (sampling seed `seed`) for the runtime's API.
+pub fn greedy_request(
+    prompt: &[u32],
+    policy: &str,
+    max_tokens: usize,
+    seed: u64,
+) -> tokenrouter::runtime::GenerateRequest {
+    tokenrouter::runtime::GenerateRequest {
+        prompt: prompt.to_vec(),
+        policy: Some(policy.into()),
+        max_tokens,
+        sampling: tokenrouter::engine::SamplingParams {
+            seed,
+            ..tokenrouter::engine::SamplingParams::greedy()
+        },
+        timeout: None,
+        ignore_eos: false,
+    }
+}
