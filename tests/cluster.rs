@@ -582,18 +582,21 @@ async fn the_real_pair_on_two_workers_writes_the_tokens_of_one_process() {
     }
 }
 
-/// Two workers host the large model: new requests spread over both by load, each stays on
-/// its replica, and the tokens are one process's.
+/// Two workers host the small model (the large one stays in the front end): new requests
+/// spread over both replicas by load, each stays on its replica, and the tokens are one
+/// process's.
 #[actix_rt::test]
-async fn two_replicas_share_the_requests_and_write_one_replicas_tokens() {
+async fn two_slm_replicas_share_the_requests_and_write_one_replicas_tokens() {
     let Some(nats) = nats_server() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
+    let (worker_config, mut frontend) = write_configs(dir.path(), nats.port, "async");
+    frontend.models[0].placement = tokenrouter::config::Placement::Remote;
+    frontend.models[1].placement = tokenrouter::config::Placement::Local;
     let requests: Vec<GenerateRequest> = (0..32u64)
         .map(|i| {
             request(
                 &prompts()[i as usize % 6],
-                ["large", "me"][i as usize % 2],
+                ["small", "me"][i as usize % 2],
                 16,
                 i,
             )
@@ -617,8 +620,8 @@ async fn two_replicas_share_the_requests_and_write_one_replicas_tokens() {
     local.shutdown();
 
     let _replicas = [
-        Worker::start(&worker_config, "large", TOKEN),
-        Worker::start(&worker_config, "large", TOKEN),
+        Worker::start(&worker_config, "small", TOKEN),
+        Worker::start(&worker_config, "small", TOKEN),
     ];
     let rt = Runtime::start(&frontend, None).unwrap();
     // Both replicas beat before the load starts (the front end waits for one).
