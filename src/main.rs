@@ -144,6 +144,9 @@ struct WorkerArgs {
     /// Execution mode, overriding the config's (the front ends must run the same).
     #[arg(long)]
     mode: Option<ExecutionMode>,
+    /// Serve this worker's own `/metrics` (its models' steps, KV, batches) on HOST:PORT.
+    #[arg(long)]
+    metrics_addr: Option<String>,
 }
 
 #[derive(Args)]
@@ -531,7 +534,18 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
         cluster.subject_prefix = prefix.clone();
     }
     actix::System::new().block_on(async move {
+        let metrics = match &args.metrics_addr {
+            Some(addr) => Some(tokenrouter::server::serve_metrics_only(addr)?),
+            None => None,
+        };
         let runtime = Runtime::start_worker(&config, &args.models, args.mode)?;
+        if let Some(server) = metrics {
+            actix::spawn(async move {
+                if let Err(e) = server.await {
+                    tracing::error!("worker metrics server stopped: {e}");
+                }
+            });
+        }
         tracing::info!(models = ?args.models, "worker hosting");
         let mut terminate =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -81,9 +81,14 @@ struct Worker {
 
 impl Worker {
     fn start(config: &Path, model: &str, token: &str) -> Worker {
+        Self::start_with(config, model, token, &[])
+    }
+
+    fn start_with(config: &Path, model: &str, token: &str, extra: &[&str]) -> Worker {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
             .args(["worker", "--model", model, "--config"])
             .arg(config)
+            .args(extra)
             .env("TOKENROUTER_NATS_TOKEN", token)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -645,5 +650,50 @@ async fn two_slm_replicas_share_the_requests_and_write_one_replicas_tokens() {
             r.placed
         );
     }
+    rt.shutdown();
+}
+
+/// `GET path` on a loopback port; the response body.
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
+
+#[actix_rt::test]
+async fn a_worker_serves_its_own_models_metrics() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let _worker = Worker::start_with(&worker_config, "large", TOKEN, &["--metrics-addr", &addr]);
+    let rt = Runtime::start(&frontend, None).unwrap();
+    rt.submit(request(&[5, 6, 7], "large", 6, 1))
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let metrics = http_get(port, "/metrics");
+    let steps = metrics
+        .lines()
+        .find(|l| l.starts_with("tokenrouter_step_seconds_count{model=\"large\"}"))
+        .unwrap_or_else(|| panic!("no step count for the hosted model: {metrics}"));
+    let count: f64 = steps.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(count >= 6.0, "{steps}");
+    // The front end sees the worker as an up replica and has pinged it.
+    let up = rt.replicas();
+    assert!(up.len() == 1 && up[0].up && up[0].placed == 1, "{up:?}");
     rt.shutdown();
 }

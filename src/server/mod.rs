@@ -214,13 +214,7 @@ pub async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         tracing::info!("tokenrouter listening on http://{addr}");
     }
     let server = server.run();
-    actix_web::rt::spawn(async move {
-        let mut interval = actix_web::rt::time::interval(METRICS_UPKEEP);
-        loop {
-            interval.tick().await;
-            metrics.run_upkeep();
-        }
-    });
+    actix_web::rt::spawn(keep_up(metrics));
     actix_web::rt::spawn(reload_on_hangup(hangups, runtime.clone(), config_path));
     actix_web::rt::spawn(drain_on_signal(
         terminate,
@@ -263,4 +257,42 @@ async fn reload_on_hangup(mut hangups: Signal, runtime: Arc<Runtime>, config_pat
             Err(e) => tracing::warn!("SIGHUP: reload refused, old policies kept: {e}"),
         }
     }
+}
+
+/// Compacts histograms and expires idle metrics, forever.
+async fn keep_up(metrics: PrometheusHandle) {
+    let mut interval = actix_web::rt::time::interval(METRICS_UPKEEP);
+    loop {
+        interval.tick().await;
+        metrics.run_upkeep();
+    }
+}
+
+/// `tokenrouter worker`'s own `/metrics` on `addr` (its models' steps, KV and batches): the
+/// recorder is installed first, so call this before starting the worker's runtime.
+pub fn serve_metrics_only(addr: &str) -> anyhow::Result<actix_web::dev::Server> {
+    let metrics = telemetry::install();
+    let render = metrics.clone();
+    let server = HttpServer::new(move || {
+        let render = render.clone();
+        App::new().route(
+            "/metrics",
+            web::get().to(move || {
+                let body = render.render();
+                async move {
+                    HttpResponse::Ok()
+                        .content_type("text/plain; version=0.0.4")
+                        .body(body)
+                }
+            }),
+        )
+    })
+    .workers(1)
+    .disable_signals()
+    .bind(addr)?;
+    for addr in server.addrs() {
+        tracing::info!("worker metrics on http://{addr}/metrics");
+    }
+    actix_web::rt::spawn(keep_up(metrics));
+    Ok(server.run())
 }
