@@ -697,3 +697,36 @@ async fn a_worker_serves_its_own_models_metrics() {
     assert!(up.len() == 1 && up[0].up && up[0].placed == 1, "{up:?}");
     rt.shutdown();
 }
+
+/// A request whose state is over the server's `max_payload` fails with a message saying so,
+/// instead of vanishing on the bus; smaller ones pass.
+#[actix_rt::test]
+async fn a_request_too_big_for_the_bus_fails_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(&conf, "max_payload: 1800\n").unwrap();
+    let conf = conf.display().to_string();
+    let Some(nats) = nats_server_with(&["-c", &conf]) else {
+        return;
+    };
+    let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
+    let _worker = Worker::start(&worker_config, "large", TOKEN);
+    let rt = Runtime::start(&frontend, None).unwrap();
+    let long: Vec<u32> = (0..400).map(|i| 3 + i % 250).collect();
+    let failed = rt
+        .submit(request(&long, "large", 4, 1))
+        .unwrap()
+        .collect()
+        .await;
+    match failed {
+        Err(RuntimeError::Failed(message)) => assert!(message.contains("max_payload"), "{message}"),
+        other => panic!("expected a clear failure, got {other:?}"),
+    }
+    let fits = rt
+        .submit(request(&[5, 6, 7], "large", 4, 1))
+        .unwrap()
+        .collect()
+        .await;
+    assert_eq!(fits.unwrap().token_ids.len(), 4);
+    rt.shutdown();
+}

@@ -188,6 +188,11 @@ impl Bus {
         format!("{}.client.{frontend}", self.0.prefix)
     }
 
+    /// The largest payload the server takes (its `max_payload`).
+    pub fn max_payload(&self) -> usize {
+        self.0.client.server_info().max_payload
+    }
+
     /// Queues a message; it leaves after every message queued before it.
     pub fn publish(&self, subject: String, payload: Vec<u8>) {
         // Fails only once the bus thread is gone (the process is ending).
