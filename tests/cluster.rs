@@ -730,3 +730,62 @@ async fn a_request_too_big_for_the_bus_fails_clearly() {
     assert_eq!(fits.unwrap().token_ids.len(), 4);
     rt.shutdown();
 }
+
+/// A front end that dies leaves requests pending on a worker; the worker frees them once the
+/// front end misses three beats.
+#[actix_rt::test]
+async fn a_workers_requests_of_a_dead_front_end_are_freed() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let _worker = Worker::start_with(&worker_config, "large", TOKEN, &["--metrics-addr", &addr]);
+    let kv_used = || {
+        let metrics = http_get(port, "/metrics");
+        metrics
+            .lines()
+            .find(|l| l.starts_with("tokenrouter_kv_tokens_used{model=\"large\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let rt = Runtime::start(&frontend, None).unwrap();
+    let mut handles: Vec<_> = (0..8u64)
+        .map(|i| {
+            let long = GenerateRequest {
+                ignore_eos: true,
+                ..request(&[5, 6, 7, 8], "me", 400, i)
+            };
+            rt.submit(long).unwrap()
+        })
+        .collect();
+    for h in &mut handles {
+        h.events.recv().await.unwrap();
+    }
+    let started = Instant::now();
+    while kv_used() == 0.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the worker never held KV"
+        );
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The front end dies without withdrawing anything.
+    for h in handles {
+        std::mem::forget(h);
+    }
+    rt.shutdown();
+    let died = Instant::now();
+    while kv_used() > 0.0 {
+        assert!(
+            died.elapsed() < Duration::from_secs(10),
+            "the worker still holds {} KV tokens",
+            kv_used()
+        );
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+}

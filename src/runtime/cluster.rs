@@ -183,6 +183,26 @@ impl Bus {
         format!("{}.model.{model}.{host}.{what}", self.0.prefix)
     }
 
+    /// Where front end `frontend` beats (`*` for every front end).
+    pub fn frontend_beat_subject(&self, frontend: &str) -> String {
+        format!("{}.frontend.{frontend}", self.0.prefix)
+    }
+
+    pub fn heartbeat(&self) -> Duration {
+        self.0.heartbeat
+    }
+
+    /// Runs `tick` on the bus thread every `period` until `close`.
+    pub fn every(&self, period: Duration, mut tick: impl FnMut() + Send + 'static) {
+        self.spawn(async move {
+            let mut every = tokio::time::interval(period);
+            loop {
+                every.tick().await;
+                tick();
+            }
+        });
+    }
+
     /// Where events for front end `frontend`'s requests go.
     pub fn client_subject(&self, frontend: &str) -> String {
         format!("{}.client.{frontend}", self.0.prefix)
@@ -264,6 +284,8 @@ impl Bus {
                 for model in &models {
                     bus.publish(format!("{}.heartbeat.{model}", bus.0.prefix), beat.clone());
                 }
+                // As a front end: its requests' hosts free them when this stops.
+                bus.publish(bus.frontend_beat_subject(&bus.0.id), beat);
             }
         });
     }
@@ -401,7 +423,7 @@ impl Bus {
                 all.push(ReplicaStatus {
                     model: entry.key().clone(),
                     host: host.clone(),
-                    up: r.last_beat.elapsed() < limit,
+                    up: r.beaten && r.last_beat.elapsed() < limit,
                     load: r.load,
                     placed: r.placed_total,
                 });

@@ -314,7 +314,8 @@ impl FrontendRequests {
 
 /// Requests that ended recently, so a handoff still on the bus when its request's withdrawal
 /// overtook it is dropped instead of holding KV for a request nobody will withdraw again.
-struct RecentlyEnded {
+#[derive(Default)]
+pub(crate) struct RecentlyEnded {
     order: VecDeque<RequestId>,
     set: HashSet<RequestId>,
 }
@@ -350,18 +351,80 @@ pub(crate) struct BusSide {
     pub hidden_sizes: Arc<[usize]>,
     pub live: LiveRequests,
     pub frontend: FrontendRequests,
+    /// Requests that ended lately (one set for every model hosted here).
+    pub ended: Arc<Mutex<RecentlyEnded>>,
+    /// Requests here owned by other processes, by id: their front end.
+    pub owners: Arc<DashMap<RequestId, Arc<str>>>,
 }
 
 impl BusSide {
+    /// A request ended: every hosted model forgets it and frees its KV.
+    fn forget(&self, rid: RequestId, batchers: &[Addr<BatcherActor>]) {
+        self.ended
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(rid);
+        if self.owners.remove(&rid).is_some() {
+            self.live.remove(rid);
+        }
+        for batcher in batchers {
+            batcher.do_send(Withdraw { rid });
+        }
+    }
+
+    /// Frees the requests of front ends that stopped beating (three missed beats): nobody
+    /// would withdraw them, and their KV would stay here for good.
+    pub fn forget_orphans(&self, batchers: Vec<Addr<BatcherActor>>) -> Result<(), ClusterError> {
+        let last_seen: Arc<DashMap<Arc<str>, Instant>> = Arc::default();
+        let seen = last_seen.clone();
+        self.bus
+            .subscribe(self.bus.frontend_beat_subject("*"), move |payload, _| {
+                if let Ok(beat) = wire::decode::<super::wire::Heartbeat>(payload) {
+                    seen.insert(beat.host.into(), Instant::now());
+                }
+            })?;
+        let side = self.clone();
+        let silence = self.bus.heartbeat() * 3;
+        self.bus.every(self.bus.heartbeat(), move || {
+            // A front end is heard from its first request on, beat or not.
+            for entry in side.owners.iter() {
+                last_seen
+                    .entry(entry.value().clone())
+                    .or_insert_with(Instant::now);
+            }
+            let gone: Vec<Arc<str>> = last_seen
+                .iter()
+                .filter(|e| e.value().elapsed() > silence)
+                .map(|e| e.key().clone())
+                .collect();
+            for frontend in gone {
+                let orphans: Vec<RequestId> = side
+                    .owners
+                    .iter()
+                    .filter(|e| *e.value() == frontend)
+                    .map(|e| *e.key())
+                    .collect();
+                if !orphans.is_empty() {
+                    tracing::warn!(
+                        %frontend,
+                        requests = orphans.len(),
+                        "front end stopped beating: freeing its requests"
+                    );
+                }
+                for rid in orphans {
+                    side.forget(rid, &batchers);
+                }
+                last_seen.remove(&frontend);
+            }
+        });
+        Ok(())
+    }
+
     /// Takes `admit`, `withdraw` and `threshold` for a hosted model.
     pub fn serve_model(&self, model: HostedModel) -> Result<(), ClusterError> {
         let bus = &self.bus;
-        let ended = Arc::new(Mutex::new(RecentlyEnded {
-            order: VecDeque::new(),
-            set: HashSet::new(),
-        }));
         let (side, batcher, name) = (self.clone(), model.batcher.clone(), model.name.clone());
-        let recent = ended.clone();
+        let recent = self.ended.clone();
         bus.subscribe(
             bus.replica_subject(&model.name, bus.id(), "admit"),
             move |payload, _| match wire::decode::<WireAdmit>(payload) {
@@ -384,13 +447,7 @@ impl BusSide {
         bus.subscribe(
             bus.model_subject(&model.name, "withdraw"),
             move |payload, _| match wire::decode::<WireWithdraw>(payload) {
-                Ok(WireWithdraw { rid }) => {
-                    ended.lock().unwrap_or_else(|e| e.into_inner()).insert(rid);
-                    if side.frontend.actor(rid).is_none() {
-                        side.live.remove(rid);
-                    }
-                    batcher.do_send(Withdraw { rid });
-                }
+                Ok(WireWithdraw { rid }) => side.forget(rid, std::slice::from_ref(&batcher)),
                 Err(e) => tracing::warn!(model = %name, "ignoring a withdraw message: {e}"),
             },
         )?;
@@ -454,6 +511,7 @@ impl BusSide {
             Client::Local(self.frontend.actor(rid)?)
         } else {
             self.live.insert(rid);
+            self.owners.insert(rid, request.frontend.as_str().into());
             Client::Remote(RemoteClient {
                 bus: self.bus.clone(),
                 frontend: request.frontend.into(),
@@ -477,6 +535,7 @@ impl BusSide {
                     kind: FailureKind::Fault,
                 });
                 self.live.remove(rid);
+                self.owners.remove(&rid);
                 return None;
             }
         };

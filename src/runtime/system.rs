@@ -512,8 +512,11 @@ impl Runtime {
                 hidden_sizes: hidden_sizes.clone().into(),
                 live: live.clone(),
                 frontend: frontend.clone(),
+                ended: Arc::default(),
+                owners: Arc::default(),
             };
             let names: Vec<String> = hosted_models.iter().map(|m| m.name.clone()).collect();
+            side.forget_orphans(hosted_models.iter().map(|m| m.batcher.clone()).collect())?;
             for model in hosted_models {
                 bus.answer_pings(&model.name)?;
                 side.serve_model(model)?;
