@@ -273,6 +273,12 @@ struct BenchLoadArgs {
     out: Option<PathBuf>,
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BenchPlacement {
+    Local,
+    Remote,
+}
+
 #[derive(Args)]
 struct BenchRoutingArgs {
     #[command(flatten)]
@@ -292,6 +298,10 @@ struct BenchRoutingArgs {
         default_value = "lockstep,standard,async,tokenrouter,llm-only"
     )]
     mode: Vec<bench::routing::BenchMode>,
+    /// `remote`: each runtime mode also runs with the reference model in a worker process
+    /// (its `<mode>-remote` twin) beside it in one run; `local` (default): in-process only.
+    #[arg(long, value_enum, default_value = "local")]
+    placement: BenchPlacement,
     #[arg(long, value_delimiter = ',', default_value = "8")]
     concurrency: Vec<usize>,
     /// `short` (a question, answer until end-of-sequence), `long` (exactly --max-tokens),
@@ -942,7 +952,15 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         policies: args.policy,
         sweep,
         reference,
-        modes: args.mode,
+        modes: match args.placement {
+            BenchPlacement::Local => args.mode,
+            BenchPlacement::Remote => args
+                .mode
+                .iter()
+                .copied()
+                .flat_map(|m| m.with_remote_twin())
+                .collect(),
+        },
         concurrency: args.concurrency,
         requests: args.requests,
         max_tokens: args.max_tokens,

@@ -59,6 +59,14 @@ impl BenchMode {
         }
     }
 
+    /// This mode and, for a runtime mode, its `-remote` twin (`--placement remote`).
+    pub fn with_remote_twin(self) -> Vec<BenchMode> {
+        match self {
+            BenchMode::Runtime(mode) => vec![self, BenchMode::Remote(mode)],
+            other => vec![other],
+        }
+    }
+
     /// The runtime this mode's cells run on; none for `std-serving` (its own servers).
     fn execution_mode(self) -> Option<ExecutionMode> {
         match self {
@@ -1079,6 +1087,9 @@ mod tests {
             "standard-remote".parse::<BenchMode>(),
             Ok(BenchMode::Remote(ExecutionMode::Standard))
         );
+        let twins = BenchMode::Runtime(ExecutionMode::Async).with_remote_twin();
+        assert_eq!(twins[1].as_str(), "async-remote");
+        assert_eq!(BenchMode::LlmOnly.with_remote_twin().len(), 1);
         let err = "fast-remote".parse::<BenchMode>().unwrap_err();
         assert!(err.contains("before -remote"), "{err}");
     }
