@@ -107,6 +107,18 @@ impl Worker {
         Worker { child, log }
     }
 
+    /// A worker hosting `model` that serves its `/metrics` on the returned loopback port.
+    fn with_metrics(config: &Path, model: &str) -> (Worker, u16) {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let worker = Self::start_with(config, model, TOKEN, &["--metrics-addr", &addr]);
+        (worker, port)
+    }
+
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -672,13 +684,7 @@ async fn a_worker_serves_its_own_models_metrics() {
     let Some(nats) = nats_server() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let _worker = Worker::start_with(&worker_config, "large", TOKEN, &["--metrics-addr", &addr]);
+    let (_worker, port) = Worker::with_metrics(&worker_config, "large");
     let rt = Runtime::start(&frontend, None).unwrap();
     rt.submit(request(&[5, 6, 7], "large", 6, 1))
         .unwrap()
@@ -738,13 +744,7 @@ async fn a_workers_requests_of_a_dead_front_end_are_freed() {
     let Some(nats) = nats_server() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let _worker = Worker::start_with(&worker_config, "large", TOKEN, &["--metrics-addr", &addr]);
+    let (_worker, port) = Worker::with_metrics(&worker_config, "large");
     let kv_used = || {
         let metrics = http_get(port, "/metrics");
         metrics
