@@ -183,6 +183,11 @@ impl Bus {
         format!("{}.model.{model}.{host}.{what}", self.0.prefix)
     }
 
+    /// Where the hosts of `model` beat.
+    fn heartbeat_subject(&self, model: &str) -> String {
+        format!("{}.heartbeat.{model}", self.0.prefix)
+    }
+
     /// Where front end `frontend` beats (`*` for every front end).
     pub fn frontend_beat_subject(&self, frontend: &str) -> String {
         format!("{}.frontend.{frontend}", self.0.prefix)
@@ -273,20 +278,16 @@ impl Bus {
     /// requests here) for the front ends that spread new requests over replicas.
     pub fn beat_for(&self, models: Vec<String>, load: impl Fn() -> usize + Send + 'static) {
         let bus = self.clone();
-        self.spawn(async move {
-            let mut every = tokio::time::interval(bus.0.heartbeat);
-            loop {
-                every.tick().await;
-                let beat = wire::encode(&Heartbeat {
-                    host: bus.0.id.clone(),
-                    load: load(),
-                });
-                for model in &models {
-                    bus.publish(format!("{}.heartbeat.{model}", bus.0.prefix), beat.clone());
-                }
-                // As a front end: its requests' hosts free them when this stops.
-                bus.publish(bus.frontend_beat_subject(&bus.0.id), beat);
+        self.every(self.0.heartbeat, move || {
+            let beat = wire::encode(&Heartbeat {
+                host: bus.0.id.clone(),
+                load: load(),
+            });
+            for model in &models {
+                bus.publish(bus.heartbeat_subject(model), beat.clone());
             }
+            // As a front end: its requests' hosts free them when this stops.
+            bus.publish(bus.frontend_beat_subject(&bus.0.id), beat);
         });
     }
 
@@ -302,38 +303,35 @@ impl Bus {
         for (_, model) in &models {
             let (bus, model_name) = (bus.clone(), model.clone());
             self.subscribe(
-                format!("{}.heartbeat.{model}", self.0.prefix),
+                self.heartbeat_subject(model),
                 move |payload, _| match wire::decode::<Heartbeat>(payload) {
                     Ok(beat) => bus.beat(&model_name, &beat.host, Some(beat.load)),
                     Err(e) => tracing::warn!(model = %model_name, "ignoring a heartbeat: {e}"),
                 },
             )?;
         }
-        self.spawn(async move {
-            let mut up: BTreeMap<(usize, String), bool> = BTreeMap::new();
-            let mut every = tokio::time::interval(bus.0.heartbeat / 2);
-            loop {
-                every.tick().await;
-                for status in bus.replica_status() {
-                    telemetry::replica_seen(&status.model, &status.host, status.up, status.load);
-                }
-                for (idx, model) in &models {
-                    for (host, now_up) in bus.replicas_of(model) {
-                        let was_up = up.insert((*idx, host.clone()), now_up);
-                        if was_up.is_some_and(|was| was != now_up) || (was_up.is_none() && !now_up)
-                        {
-                            if now_up {
-                                tracing::info!(model = %model, %host, "replica back on the bus");
-                            } else {
-                                tracing::warn!(
-                                    model = %model,
-                                    %host,
-                                    "replica missed {MISSED_BEATS} heartbeats: down"
-                                );
-                            }
-                            on_change(*idx, &host, now_up);
-                        }
+        // A replica first seen up is no change; first seen down is one.
+        let mut up: BTreeMap<(usize, String), bool> = BTreeMap::new();
+        self.every(self.0.heartbeat / 2, move || {
+            for status in bus.replica_status() {
+                telemetry::replica_seen(&status.model, &status.host, status.up, status.load);
+            }
+            for (idx, model) in &models {
+                for (host, now_up) in bus.replicas_of(model) {
+                    let was_up = up.insert((*idx, host.clone()), now_up).unwrap_or(true);
+                    if was_up == now_up {
+                        continue;
                     }
+                    if now_up {
+                        tracing::info!(model = %model, %host, "replica back on the bus");
+                    } else {
+                        tracing::warn!(
+                            model = %model,
+                            %host,
+                            "replica missed {MISSED_BEATS} heartbeats: down"
+                        );
+                    }
+                    on_change(*idx, &host, now_up);
                 }
             }
         });

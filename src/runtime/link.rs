@@ -109,34 +109,31 @@ impl RemoteModel {
         let limit = self.bus.max_payload();
         for (host, requests) in by_host {
             let subject = self.bus.replica_subject(&self.name, &host, "admit");
-            let together = wire::encode(&WireAdmit { requests });
-            if together.len() <= limit {
-                self.bus.publish(subject, together);
+            let together = WireAdmit { requests };
+            let payload = wire::encode(&together);
+            if payload.len() <= limit {
+                self.bus.publish(subject, payload);
                 continue;
             }
             // Too big together: one message each, and a request too big alone fails.
-            let WireAdmit { requests } = wire::decode(&together).expect("just encoded");
-            for request in requests {
-                let alone = wire::encode(&WireAdmit {
+            for request in together.requests {
+                let alone = WireAdmit {
                     requests: vec![request],
-                });
-                if alone.len() <= limit {
-                    self.bus.publish(subject.clone(), alone);
+                };
+                let payload = wire::encode(&alone);
+                if payload.len() <= limit {
+                    self.bus.publish(subject.clone(), payload);
                     continue;
                 }
-                let WireAdmit { requests } = wire::decode(&alone).expect("just encoded");
-                let request = &requests[0];
-                let client = match request.frontend == self.bus.id() {
-                    true => None,
-                    false => Some(request.frontend.clone()),
-                };
-                self.fail_oversized(request.state.rid, client, alone.len(), limit);
+                let request = &alone.requests[0];
+                self.fail_oversized(request.state.rid, &request.frontend, payload.len(), limit);
             }
         }
     }
 
-    /// A request whose state exceeds the server's `max_payload` cannot travel: it fails.
-    fn fail_oversized(&self, rid: RequestId, frontend: Option<String>, bytes: usize, limit: usize) {
+    /// A request whose state exceeds the server's `max_payload` cannot travel: it fails,
+    /// told to its front end `frontend` (this process or another) over the bus.
+    fn fail_oversized(&self, rid: RequestId, frontend: &str, bytes: usize, limit: usize) {
         let message = format!(
             "request {rid} is {bytes} bytes on the bus, over the NATS server's max_payload of \
              {limit}; raise max_payload in its config"
@@ -148,9 +145,8 @@ impl RemoteModel {
                 kind: FailureKind::Fault,
             }),
         };
-        let to = frontend.unwrap_or_else(|| self.bus.id().to_string());
         self.bus
-            .publish(self.bus.client_subject(&to), wire::encode(&event));
+            .publish(self.bus.client_subject(frontend), wire::encode(&event));
     }
 }
 
