@@ -37,6 +37,8 @@ pub const CLUSTER_REPLICA_UP: &str = "tokenrouter_cluster_replica_up";
 pub const CLUSTER_REPLICA_LOAD: &str = "tokenrouter_cluster_replica_load";
 pub const CLUSTER_PLACEMENTS_TOTAL: &str = "tokenrouter_cluster_placements_total";
 pub const CLUSTER_BUS_RTT_SECONDS: &str = "tokenrouter_cluster_bus_rtt_seconds";
+pub const CLUSTER_HANDOFF_TRANSIT_SECONDS: &str = "tokenrouter_cluster_handoff_transit_seconds";
+pub const LIVE_REQUESTS: &str = "tokenrouter_live_requests";
 
 /// Step and delay buckets: CPU steps take 5–200 ms, GPU steps well under 5 ms.
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -62,6 +64,7 @@ pub fn install() -> PrometheusHandle {
                 (REQUEST_DURATION_SECONDS, &REQUEST_BUCKETS[..]),
                 (BATCH_SIZE, &BATCH_BUCKETS[..]),
                 (CLUSTER_BUS_RTT_SECONDS, &LATENCY_BUCKETS[..]),
+                (CLUSTER_HANDOFF_TRANSIT_SECONDS, &LATENCY_BUCKETS[..]),
             ]
             .into_iter()
             .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
@@ -107,6 +110,11 @@ fn describe() {
         "Requests that left this model and keep their KV here"
     );
     describe_gauge!(WAITING_REQUESTS, "Arrivals held by this model's batcher");
+    describe_gauge!(
+        LIVE_REQUESTS,
+        "Requests not yet ended, in the whole deployment as this process counts them (what \
+         its batchers release by and its tuner tunes for)"
+    );
     describe_gauge!(
         KV_TOKENS_USED,
         "KV cache tokens in blocks that requests of this model reference"
@@ -185,12 +193,29 @@ fn describe() {
         Unit::Seconds,
         "Round trip of a ping to a remote model's replica over the bus"
     );
+    describe_histogram!(
+        CLUSTER_HANDOFF_TRANSIT_SECONDS,
+        Unit::Seconds,
+        "One-way time of a handoff to a model hosted here, from its sender queueing it to \
+         its arrival (by the two hosts' wall clocks)"
+    );
 }
 
 /// A ping to a remote replica came back after `rtt`.
 pub fn bus_round_trip(model: &str, host: &str, rtt: std::time::Duration) {
     let labels = [("model", model.to_string()), ("host", host.to_string())];
     histogram!(CLUSTER_BUS_RTT_SECONDS, &labels).record(rtt.as_secs_f64());
+}
+
+/// A handoff to `model`, hosted here, came over the bus in `transit`.
+pub fn handoff_transit(model: &str, transit: std::time::Duration) {
+    histogram!(CLUSTER_HANDOFF_TRANSIT_SECONDS, "model" => model.to_string())
+        .record(transit.as_secs_f64());
+}
+
+/// The gauge of requests not yet ended.
+pub fn live_requests() -> Gauge {
+    gauge!(LIVE_REQUESTS)
 }
 
 /// A remote replica's liveness and reported load.

@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::cluster;
 use common::server::{dashboard_exprs, write_tiny_config, Server, ADMIN_TOKEN};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -109,55 +110,90 @@ fn query(prometheus: &str, expr: &str) -> Value {
     serde_json::from_str(&response.into_string().unwrap()).unwrap()
 }
 
-#[test]
-fn prometheus_scrapes_under_load_and_every_dashboard_query_returns_data() {
-    let Some(binary) = prometheus() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&write_tiny_config(dir.path(), 0.0));
-    let target = server.base.trim_start_matches("http://").to_string();
-    let scrape = dir.path().join("prometheus.yml");
-    std::fs::write(
-        &scrape,
-        format!(
-            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: tokenrouter\n    static_configs:\n      - targets: [\"{target}\"]\n"
-        ),
-    )
-    .unwrap();
-    let port = free_port();
-    let prometheus = format!("http://127.0.0.1:{port}");
-    let _child = ChildGuard(
-        Command::new(binary)
-            .arg(format!("--config.file={}", scrape.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("tsdb").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start prometheus"),
-    );
-    let start = Instant::now();
-    while ureq::get(&format!("{prometheus}/-/ready")).call().is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "prometheus never got ready"
+/// A Prometheus scraping `targets` (`host:port`) every second, ready; killed on drop.
+struct Prometheus {
+    _child: ChildGuard,
+    url: String,
+}
+
+impl Prometheus {
+    fn start(binary: &Path, dir: &Path, targets: &[String]) -> Prometheus {
+        let scrape = dir.join("prometheus.yml");
+        let targets: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
+        std::fs::write(
+            &scrape,
+            format!(
+                "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: tokenrouter\n    static_configs:\n      - targets: [{}]\n",
+                targets.join(", ")
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let url = format!("http://127.0.0.1:{port}");
+        let child = ChildGuard(
+            Command::new(binary)
+                .arg(format!("--config.file={}", scrape.display()))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.join("tsdb").display()
+                ))
+                .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start prometheus"),
         );
-        std::thread::sleep(Duration::from_millis(200));
+        let start = Instant::now();
+        while ureq::get(&format!("{url}/-/ready")).call().is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "prometheus never got ready"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Prometheus { _child: child, url }
     }
 
-    // A short load: 4 clients over both policies, streaming and not, and one policy swap.
-    let load_end = Instant::now() + Duration::from_secs(6);
+    /// Asserts every target is up and every query of `dashboards/<dashboard>` has data.
+    fn assert_every_query_has_data(&self, targets: usize, dashboard: &str) {
+        let up = query(&self.url, "up{job=\"tokenrouter\"}");
+        let up_targets = up["data"]["result"]
+            .as_array()
+            .map_or(0, |r| r.iter().filter(|t| t["value"][1] == "1").count());
+        assert_eq!(up_targets, targets, "scrape targets up: {up}");
+        let exprs = dashboard_exprs(dashboard);
+        let mut empty = Vec::new();
+        for expr in &exprs {
+            let concrete = expr
+                .replace("$__rate_interval", "1m")
+                .replace("$model", ".*")
+                .replace("$policy", ".*");
+            let answer = query(&self.url, &concrete);
+            assert_eq!(answer["status"], "success", "{concrete}: {answer}");
+            if answer["data"]["result"]
+                .as_array()
+                .is_none_or(|r| r.is_empty())
+            {
+                empty.push(concrete);
+            }
+        }
+        assert!(
+            empty.is_empty(),
+            "{dashboard} queries without data: {empty:#?}"
+        );
+        eprintln!("{} {dashboard} queries returned data", exprs.len());
+    }
+}
+
+/// `clients` clients send requests for `policies` in turn, streaming and not, until `end`.
+fn load(server: &Server, clients: usize, policies: &[&str], end: Instant) {
     std::thread::scope(|scope| {
-        for client in 0..4 {
-            let server = &server;
+        for client in 0..clients {
             scope.spawn(move || {
                 let mut i = 0;
-                while Instant::now() < load_end {
-                    let model = ["me", "r2r"][(client + i) % 2];
+                while Instant::now() < end {
                     let body = json!({
-                        "model": model,
+                        "model": policies[(client + i) % policies.len()],
                         "prompt": "the weather in the city",
                         "max_tokens": 16,
                         "stream": i % 2 == 0,
@@ -171,6 +207,26 @@ fn prometheus_scrapes_under_load_and_every_dashboard_query_returns_data() {
                 }
             });
         }
+    });
+}
+
+#[test]
+fn prometheus_scrapes_under_load_and_every_dashboard_query_returns_data() {
+    let Some(binary) = prometheus() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&write_tiny_config(dir.path(), 0.0));
+    let target = server.base.trim_start_matches("http://").to_string();
+    let prometheus = Prometheus::start(&binary, dir.path(), &[target]);
+    // A short load: 4 clients over both policies, streaming and not, and one policy swap.
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            load(
+                &server,
+                4,
+                &["me", "r2r"],
+                Instant::now() + Duration::from_secs(6),
+            )
+        });
         std::thread::sleep(Duration::from_secs(2));
         let (status, _) = server.call(
             "PUT",
@@ -182,31 +238,36 @@ fn prometheus_scrapes_under_load_and_every_dashboard_query_returns_data() {
     });
     // Let a few more scrapes land after the load.
     std::thread::sleep(Duration::from_secs(3));
+    prometheus.assert_every_query_has_data(1, "tokenrouter.json");
+}
 
-    let up = query(&prometheus, "up{job=\"tokenrouter\"}");
-    assert_eq!(
-        up["data"]["result"][0]["value"][1], "1",
-        "scrape target up: {up}"
+/// A front end (`tokenrouter serve`) and a worker hosting the large model on a real NATS
+/// server, both scraped: every query of the cluster dashboard has data.
+#[test]
+fn prometheus_scrapes_a_cluster_and_every_cluster_dashboard_query_returns_data() {
+    let Some(binary) = prometheus() else { return };
+    let Some(nats) = cluster::nats_server() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_text, frontend_text) = cluster::config_texts(dir.path(), nats.port, "async", "");
+    let (worker_config, frontend_config) = (dir.path().join("w.toml"), dir.path().join("f.toml"));
+    std::fs::write(&worker_config, worker_text).unwrap();
+    std::fs::write(&frontend_config, frontend_text).unwrap();
+    let (_worker, worker_port) = cluster::Worker::with_metrics(&worker_config, "large");
+    let server = Server::start(&frontend_config);
+    let targets = [
+        server.base.trim_start_matches("http://").to_string(),
+        format!("127.0.0.1:{worker_port}"),
+    ];
+    let prometheus = Prometheus::start(&binary, dir.path(), &targets);
+    // `me` hands requests both ways, so both processes receive handoffs.
+    load(
+        &server,
+        4,
+        &["me", "rstitch"],
+        Instant::now() + Duration::from_secs(6),
     );
-    let exprs = dashboard_exprs();
-    let mut empty = Vec::new();
-    for expr in &exprs {
-        let concrete = expr
-            .replace("$__rate_interval", "1m")
-            .replace("$model", ".*")
-            .replace("$policy", ".*");
-        let answer = query(&prometheus, &concrete);
-        assert_eq!(answer["status"], "success", "{concrete}: {answer}");
-        if answer["data"]["result"]
-            .as_array()
-            .is_none_or(|r| r.is_empty())
-        {
-            empty.push(concrete);
-        }
-    }
-    assert!(
-        empty.is_empty(),
-        "dashboard queries without data: {empty:#?}"
-    );
-    eprintln!("{} dashboard queries returned data", exprs.len());
+    std::thread::sleep(Duration::from_secs(3));
+    prometheus.assert_every_query_has_data(2, "tokenrouter-cluster.json");
 }

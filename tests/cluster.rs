@@ -7,199 +7,13 @@
 
 mod common;
 
-use candle_core::quantized::GgmlDType;
-use common::{Arch, TinySpec};
-use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
+use common::cluster::*;
+use common::greedy_request as request;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, ExecutionMode};
 use tokenrouter::runtime::{GenerateRequest, Runtime, RuntimeError};
-
-const TOKEN: &str = "cluster-test-token-51c9";
-
-/// A `nats-server` child on a free loopback port, requiring `TOKEN`.
-struct Nats {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn nats_server() -> Option<Nats> {
-    nats_server_with(&[])
-}
-
-/// `nats-server` with extra arguments (TLS).
-fn nats_server_with(extra: &[&str]) -> Option<Nats> {
-    let program = ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
-        .into_iter()
-        .map(PathBuf::from)
-        .find(|p| p.exists());
-    let Some(program) = program else {
-        if std::env::var("TOKENROUTER_REQUIRE_CLIENTS").is_ok_and(|v| v == "1") {
-            panic!("nats-server is missing; scripts/test.sh installs it");
-        }
-        eprintln!("skipping: nats-server is missing (scripts/test.sh installs it)");
-        return None;
-    };
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new(program)
-        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "--auth", TOKEN])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn nats-server");
-    let started = Instant::now();
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "nats-server did not listen"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Some(Nats { child, port })
-}
-
-/// A `tokenrouter worker` child; its stderr is collected.
-struct Worker {
-    child: Child,
-    log: Arc<Mutex<String>>,
-}
-
-impl Worker {
-    fn start(config: &Path, model: &str, token: &str) -> Worker {
-        Self::start_with(config, model, token, &[])
-    }
-
-    fn start_with(config: &Path, model: &str, token: &str, extra: &[&str]) -> Worker {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
-            .args(["worker", "--model", model, "--config"])
-            .arg(config)
-            .args(extra)
-            .env("TOKENROUTER_NATS_TOKEN", token)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn tokenrouter worker");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        Worker { child, log }
-    }
-
-    /// A worker hosting `model` that serves its `/metrics` on the returned loopback port.
-    fn with_metrics(config: &Path, model: &str) -> (Worker, u16) {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let worker = Self::start_with(config, model, TOKEN, &["--metrics-addr", &addr]);
-        (worker, port)
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// The tiny pair with `large` placed remote (the worker hosts it) and the bus's settings.
-fn write_configs(dir: &Path, port: u16, mode: &str) -> (PathBuf, Config) {
-    write_configs_with(dir, port, mode, "")
-}
-
-fn write_configs_with(dir: &Path, port: u16, mode: &str, bus: &str) -> (PathBuf, Config) {
-    let small = common::write_gguf(
-        &dir.join("small.gguf"),
-        &TinySpec::new(Arch::Llama),
-        GgmlDType::Q8_0,
-    );
-    let large_spec = TinySpec {
-        seed: 18,
-        ..TinySpec::new(Arch::Llama)
-    };
-    let large = common::write_gguf(&dir.join("large.gguf"), &large_spec, GgmlDType::Q8_0);
-    let text = |placement: &str, cluster: &str| {
-        format!(
-            r#"
-[[models]]
-name = "small"
-path = "{}"
-batch_threshold = 2
-[[models]]
-name = "large"
-path = "{}"
-batch_threshold = 2
-placement = "{placement}"
-[runtime]
-mode = "{mode}"
-batch_timeout_ms = 5
-retune_interval_ms = 0
-[[policies]]
-name = "me"
-kind = "me"
-models = ["small", "large"]
-weights = [0.5, 0.5]
-[[policies]]
-name = "rstitch"
-kind = "rstitch"
-models = ["small", "large"]
-threshold = 1.0
-{cluster}
-"#,
-            small.display(),
-            large.display()
-        )
-    };
-    let cluster = format!(
-        "[cluster]\nurl = \"nats://127.0.0.1:{port}\"\nheartbeat_ms = 500\njoin_timeout_ms = 30000\n{bus}"
-    );
-    let worker_config = dir.join(format!("worker-{mode}.toml"));
-    std::fs::write(&worker_config, text("local", &cluster)).unwrap();
-    let frontend =
-        Config::parse(&text("remote", &format!("{cluster}token = \"{TOKEN}\"\n"))).unwrap();
-    (worker_config, frontend)
-}
-
-/// `config` with every model in this process and no bus: the reference a cluster must match.
-fn in_one_process(config: &Config) -> Config {
-    let mut local = config.clone();
-    local.cluster = None;
-    for m in &mut local.models {
-        m.placement = tokenrouter::config::Placement::Local;
-    }
-    local
-}
-
-use common::greedy_request as request;
 
 fn prompts() -> Vec<Vec<u32>> {
     (0..6u32)
@@ -248,6 +62,26 @@ async fn greedy_tokens_across_processes_match_one_process_in_every_mode() {
             rt.snapshot().models[0].steps > 0,
             "the small model here never stepped"
         );
+        // `me` hands requests back from the worker: each such handoff's transit is measured.
+        let transits = rt.take_handoff_transits();
+        assert!(
+            !transits.is_empty() && transits.iter().all(|t| *t < Duration::from_secs(5)),
+            "handoff transits: {transits:?}"
+        );
+        // The worker's steps and route counts reach this process's record of `large`,
+        // where the tuner reads them.
+        let heard = Instant::now();
+        loop {
+            let large = &rt.snapshot().models[1];
+            if large.steps > 0 && large.committed_to.iter().sum::<u64>() > 0 {
+                break;
+            }
+            assert!(
+                heard.elapsed() < Duration::from_secs(5),
+                "no record of the worker's steps here: {large:?}"
+            );
+            actix_rt::time::sleep(Duration::from_millis(50)).await;
+        }
         wait_for_zero_kv(&rt).await;
         rt.shutdown();
     }
@@ -665,20 +499,6 @@ async fn two_slm_replicas_share_the_requests_and_write_one_replicas_tokens() {
     rt.shutdown();
 }
 
-/// `GET path` on a loopback port; the response body.
-fn http_get(port: u16, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response
-}
-
 #[actix_rt::test]
 async fn a_worker_serves_its_own_models_metrics() {
     let Some(nats) = nats_server() else { return };
@@ -788,4 +608,74 @@ async fn a_workers_requests_of_a_dead_front_end_are_freed() {
         );
         actix_rt::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A model's host counts the requests live anywhere, not only those that reached it: the
+/// worker hosting `large` counts eight requests that only `small` (here) writes. Both models
+/// are latency-profile simulations, so the requests outlast the polling.
+#[actix_rt::test]
+async fn a_worker_counts_the_requests_live_on_other_processes() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let text = |placement: &str, token: &str| {
+        format!(
+            r#"
+[[models]]
+name = "small"
+latency_profile_ms = [10.0, 0.0]
+[[models]]
+name = "large"
+latency_profile_ms = [10.0, 0.0]
+placement = "{placement}"
+[runtime]
+mode = "tokenrouter"
+retune_interval_ms = 0
+[cluster]
+url = "nats://127.0.0.1:{}"
+heartbeat_ms = 500
+{token}
+"#,
+            nats.port
+        )
+    };
+    let worker_config = dir.path().join("worker.toml");
+    std::fs::write(&worker_config, text("local", "")).unwrap();
+    let frontend = Config::parse(&text("remote", &format!("token = \"{TOKEN}\""))).unwrap();
+    let (_worker, port) = Worker::with_metrics(&worker_config, "large");
+    let live_there = || {
+        http_get(port, "/metrics")
+            .lines()
+            .find(|l| l.starts_with("tokenrouter_live_requests "))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    let rt = Runtime::start(&frontend, None).unwrap();
+    let handles: Vec<_> = (0..8u64)
+        .map(|i| {
+            let long = GenerateRequest {
+                ignore_eos: true,
+                ..request(&[5, 6, 7, 8], "small", 1000, i)
+            };
+            rt.submit(long).unwrap()
+        })
+        .collect();
+    let started = Instant::now();
+    while live_there() != Some(8.0) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the worker counts {:?} live requests, not 8",
+            live_there()
+        );
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(handles);
+    let cancelled = Instant::now();
+    while live_there() != Some(0.0) {
+        assert!(
+            cancelled.elapsed() < Duration::from_secs(10),
+            "the worker still counts {:?} live requests",
+            live_there()
+        );
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    rt.shutdown();
 }

@@ -496,7 +496,7 @@ fn client_disconnect_mid_stream_cancels_and_frees_kv() {
 
 #[test]
 fn every_metric_a_dashboard_names_is_exported() {
-    let exprs = dashboard_exprs();
+    let exprs = dashboard_exprs("tokenrouter.json");
     assert!(exprs.len() >= 12, "{exprs:?}");
     let dir = tempfile::tempdir().unwrap();
     let server = start(dir.path());

@@ -170,6 +170,9 @@ pub struct RoutingBenchRow {
     /// `<mode>-remote`: the bus's ping round trip to the remote model during the cell,
     /// median and p99 in µs (what a handoff to the other process adds).
     pub bus_round_trip_us: Option<(f64, f64)>,
+    /// `<mode>-remote`: one-way transit of the handoffs the remote model sent back to this
+    /// process over the bus, median and p99 in µs.
+    pub handoff_transit_us: Option<(f64, f64)>,
     /// A hash of every request's output tokens in request order: two cells of one run with
     /// equal digests produced identical tokens.
     pub outputs_digest: String,
@@ -674,6 +677,7 @@ pub async fn run(
                             };
                             let before = Snapshot::take(runtime);
                             runtime.take_bus_round_trips();
+                            runtime.take_handoff_transits();
                             let t = closed_loop(
                                 runtime.clone(),
                                 prompts.clone(),
@@ -684,6 +688,7 @@ pub async fn run(
                             .await;
                             let after = Snapshot::take(runtime);
                             let round_trips = runtime.take_bus_round_trips();
+                            let transits = runtime.take_handoff_transits();
                             let seconds = (after.at - before.at).as_secs_f64();
                             // A remote model's steps are not recorded here.
                             let remote = matches!(mode, BenchMode::Remote(_));
@@ -720,7 +725,8 @@ pub async fn run(
                                     })
                                     .collect(),
                                 per_model: model_cells(&names, &before, &after),
-                                bus_round_trip_us: round_trips_us(&round_trips),
+                                bus_round_trip_us: median_and_p99_us(&round_trips),
+                                handoff_transit_us: median_and_p99_us(&transits),
                                 ..cell.row(t, seconds, &names, &reference, settings)
                             }
                         }
@@ -830,14 +836,15 @@ impl CellId<'_> {
             per_model: Vec::new(),
             std_serving_breakdown: None,
             bus_round_trip_us: None,
+            handoff_transit_us: None,
             outputs_digest: format!("{:016x}", digest.finish()),
         }
     }
 }
 
-/// Median and p99 of round trips, in µs; none without any.
-fn round_trips_us(round_trips: &[Duration]) -> Option<(f64, f64)> {
-    let us: Vec<f64> = round_trips.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+/// Median and p99 of durations, in µs; none without any.
+fn median_and_p99_us(durations: &[Duration]) -> Option<(f64, f64)> {
+    let us: Vec<f64> = durations.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     Some((quantile(&us, 0.5)?, quantile(&us, 0.99)?))
 }
 
@@ -989,11 +996,14 @@ pub fn summary(rows: &[RoutingBenchRow]) -> String {
         };
         let checks: Vec<String> = rows
             .iter()
-            .filter(|r| r.policy == policy && r.concurrency == n && r.mode == "tokenrouter")
-            .filter_map(|r| r.controller)
-            .map(|c| {
+            .filter(|r| r.policy == policy && r.concurrency == n)
+            .filter(|r| r.mode.starts_with("tokenrouter"))
+            .filter_map(|r| Some((r, r.controller?)))
+            .map(|(r, c)| {
                 format!(
-                    "tuned {} / eager {} tok/s → {:?}",
+                    "{} round {}: tuned {} / eager {} tok/s → {:?}",
+                    r.mode,
+                    r.round,
                     optional(c.tuned_tokens_per_s, ""),
                     optional(c.eager_tokens_per_s, ""),
                     c.choice
@@ -1006,18 +1016,31 @@ pub fn summary(rows: &[RoutingBenchRow]) -> String {
                 checks.join("; ")
             );
         }
-        let round_trips: Vec<String> = rows
-            .iter()
-            .filter(|r| r.policy == policy && r.concurrency == n)
-            .filter_map(|r| r.bus_round_trip_us.map(|rt| (r, rt)))
-            .map(|(r, (p50, p99))| format!("{} round {}: {p50:.0} / {p99:.0} µs", r.mode, r.round))
-            .collect();
-        if !round_trips.is_empty() {
-            comparisons += &format!(
-                "\n{policy}, N = {n}: bus round trip to the remote model (median / p99): {}\n",
-                round_trips.join("; ")
-            );
-        }
+        let bus_figures = |what: &str, figure: fn(&RoutingBenchRow) -> Option<(f64, f64)>| {
+            let cells: Vec<String> = rows
+                .iter()
+                .filter(|r| r.policy == policy && r.concurrency == n)
+                .filter_map(|r| figure(r).map(|f| (r, f)))
+                .map(|(r, (p50, p99))| {
+                    format!("{} round {}: {p50:.0} / {p99:.0} µs", r.mode, r.round)
+                })
+                .collect();
+            if cells.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "\n{policy}, N = {n}: {what} (median / p99): {}\n",
+                    cells.join("; ")
+                )
+            }
+        };
+        comparisons += &bus_figures("bus round trip to the remote model", |r| {
+            r.bus_round_trip_us
+        });
+        comparisons += &bus_figures(
+            "added latency per handoff, its one-way transit over the bus from the remote model",
+            |r| r.handoff_transit_us,
+        );
         let against: Vec<String> = medians
             .iter()
             .filter(|(m, _)| *m != "tokenrouter")

@@ -9,12 +9,14 @@
 //! | `model.<m>.threshold` | `WireThreshold` | the front end's tuner → every replica of m |
 //! | `model.<m>.describe` | `ModelFacts`, request/reply | a joining process → a replica of m |
 //! | `heartbeat.<m>` | `Heartbeat` (host, load), every `heartbeat_ms` | each replica of m → everyone |
+//! | `record.<m>` | `RecordDigest`: steps and route counts, every quarter heartbeat | each replica of m → everyone |
+//! | `frontend.<id>` | `FrontendBeat` (host, requests), every `heartbeat_ms` and on each change | every process → everyone |
 //! | `client.<id>` | `ClientEvent`: tokens, finish, failure, placement | a host → the front end `id` |
 //!
 //! Outgoing messages go through one queue and one task, so they leave in the order the actors
 //! sent them (a token before its request's finish); NATS keeps that order per connection.
 
-use super::wire::{self, Heartbeat};
+use super::wire::{self, FrontendBeat, Heartbeat};
 use crate::config::ClusterConfig;
 use crate::telemetry;
 use dashmap::DashMap;
@@ -62,12 +64,33 @@ struct BusInner {
     replicas: DashMap<String, BTreeMap<String, Replica>>,
     /// Subscriptions, heartbeats and watchers, ended by `close`.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
-    /// The latest round trips of pings to remote replicas, newest last.
-    round_trips: Mutex<VecDeque<Duration>>,
+    /// The latest round trips of pings to remote replicas.
+    round_trips: Samples,
+    /// The latest transits of handoffs that arrived here.
+    transits: Samples,
 }
 
-/// Round trips kept for `Bus::round_trips`.
-const ROUND_TRIPS_KEPT: usize = 4096;
+/// The latest durations of something, for the bench to take.
+#[derive(Default)]
+struct Samples(Mutex<VecDeque<Duration>>);
+
+impl Samples {
+    const KEPT: usize = 4096;
+
+    fn push(&self, sample: Duration) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.push_back(sample);
+        if kept.len() > Self::KEPT {
+            kept.pop_front();
+        }
+    }
+
+    /// Every sample since the last call, oldest first.
+    fn take(&self) -> Vec<Duration> {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.drain(..).collect()
+    }
+}
 
 impl Bus {
     /// Connects (token and TLS as configured) and starts the bus thread.
@@ -141,7 +164,8 @@ impl Bus {
             heartbeat: Duration::from_millis(config.heartbeat_ms),
             replicas: DashMap::new(),
             tasks: Mutex::new(Vec::new()),
-            round_trips: Mutex::new(VecDeque::new()),
+            round_trips: Samples::default(),
+            transits: Samples::default(),
         })))
     }
 
@@ -186,6 +210,11 @@ impl Bus {
     /// Where the hosts of `model` beat.
     fn heartbeat_subject(&self, model: &str) -> String {
         format!("{}.heartbeat.{model}", self.0.prefix)
+    }
+
+    /// Where the hosts of `model` send what it did (`RecordDigest`).
+    pub fn record_subject(&self, model: &str) -> String {
+        format!("{}.record.{model}", self.0.prefix)
     }
 
     /// Where front end `frontend` beats (`*` for every front end).
@@ -275,8 +304,14 @@ impl Bus {
     }
 
     /// Says every `heartbeat_ms` that this process hosts `models`, with its load (live
-    /// requests here) for the front ends that spread new requests over replicas.
-    pub fn beat_for(&self, models: Vec<String>, load: impl Fn() -> usize + Send + 'static) {
+    /// requests here) for the front ends that spread new requests over replicas, and how
+    /// many requests it owns as a front end (`requests`).
+    pub fn beat_for(
+        &self,
+        models: Vec<String>,
+        load: impl Fn() -> usize + Send + 'static,
+        requests: impl Fn() -> usize + Send + 'static,
+    ) {
         let bus = self.clone();
         self.every(self.0.heartbeat, move || {
             let beat = wire::encode(&Heartbeat {
@@ -286,9 +321,18 @@ impl Bus {
             for model in &models {
                 bus.publish(bus.heartbeat_subject(model), beat.clone());
             }
-            // As a front end: its requests' hosts free them when this stops.
-            bus.publish(bus.frontend_beat_subject(&bus.0.id), beat);
+            bus.announce_requests(requests());
         });
+    }
+
+    /// Says that this process, as a front end, owns `requests` live requests: its requests'
+    /// hosts free them when these beats stop, and count them as live.
+    pub fn announce_requests(&self, requests: usize) {
+        let beat = FrontendBeat {
+            host: self.0.id.clone(),
+            requests,
+        };
+        self.publish(self.frontend_beat_subject(&self.0.id), wire::encode(&beat));
     }
 
     /// Follows the heartbeats of `models` (hosted elsewhere, by one or more replicas), and
@@ -375,12 +419,7 @@ impl Bus {
                         if let Ok(Ok(_)) = answer {
                             let rtt = sent.elapsed();
                             telemetry::bus_round_trip(model, &host, rtt);
-                            let mut kept =
-                                bus.0.round_trips.lock().unwrap_or_else(|e| e.into_inner());
-                            kept.push_back(rtt);
-                            if kept.len() > ROUND_TRIPS_KEPT {
-                                kept.pop_front();
-                            }
+                            bus.0.round_trips.push(rtt);
                         }
                     }
                 }
@@ -390,8 +429,18 @@ impl Bus {
 
     /// The round trips measured since the last call (oldest first).
     pub fn take_round_trips(&self) -> Vec<Duration> {
-        let mut kept = self.0.round_trips.lock().unwrap_or_else(|e| e.into_inner());
-        kept.drain(..).collect()
+        self.0.round_trips.take()
+    }
+
+    /// A handoff to `model`, hosted here, arrived `transit` after its sender queued it.
+    pub fn handoff_arrived(&self, model: &str, transit: Duration) {
+        telemetry::handoff_transit(model, transit);
+        self.0.transits.push(transit);
+    }
+
+    /// The transits of handoffs that arrived since the last call (oldest first).
+    pub fn take_handoff_transits(&self) -> Vec<Duration> {
+        self.0.transits.take()
     }
 
     /// Records that `host` (a replica of `model`) is alive now, with its load when it said.

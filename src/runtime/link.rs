@@ -11,9 +11,11 @@ use super::live::LiveRequests;
 use super::messages::{
     Admit, Committed, Failed, Finished, Placed, Request, SetThreshold, Withdraw,
 };
+use super::record::ModelRecorder;
 use super::request::{RequestActor, RequestEvent};
 use super::wire::{
-    self, ClientEvent, WireAdmit, WireEvent, WireRequest, WireThreshold, WireWithdraw,
+    self, ClientEvent, FrontendBeat, RecordDigest, WireAdmit, WireEvent, WireRequest,
+    WireThreshold, WireWithdraw,
 };
 use crate::config::{Config, PolicyConfig};
 use crate::policy::registry::PolicyRegistry;
@@ -23,7 +25,7 @@ use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Where a model's arrivals, withdrawals and thresholds go.
 #[derive(Clone)]
@@ -109,7 +111,10 @@ impl RemoteModel {
         let limit = self.bus.max_payload();
         for (host, requests) in by_host {
             let subject = self.bus.replica_subject(&self.name, &host, "admit");
-            let together = WireAdmit { requests };
+            let together = WireAdmit {
+                requests,
+                sent_unix_us: wire::unix_us(),
+            };
             let payload = wire::encode(&together);
             if payload.len() <= limit {
                 self.bus.publish(subject, payload);
@@ -119,6 +124,7 @@ impl RemoteModel {
             for request in together.requests {
                 let alone = WireAdmit {
                     requests: vec![request],
+                    sent_unix_us: together.sent_unix_us,
                 };
                 let payload = wire::encode(&alone);
                 if payload.len() <= limit {
@@ -260,40 +266,58 @@ struct OwnRequest {
 
 /// This process's own requests, by id: their actors, for events and arrivals from the bus,
 /// and the replicas each was placed on, to fail the right ones when a replica goes down.
-#[derive(Clone, Default)]
-pub(crate) struct FrontendRequests(Arc<DashMap<RequestId, OwnRequest>>);
+/// Each change is announced on the bus, for the hosts' live counts.
+#[derive(Clone)]
+pub(crate) struct FrontendRequests {
+    own: Arc<DashMap<RequestId, OwnRequest>>,
+    bus: Bus,
+}
 
 impl FrontendRequests {
+    pub fn new(bus: Bus) -> Self {
+        Self {
+            own: Arc::default(),
+            bus,
+        }
+    }
+
     pub fn insert(&self, rid: RequestId, actor: Addr<RequestActor>) {
-        self.0.insert(
+        self.own.insert(
             rid,
             OwnRequest {
                 actor,
                 placed: Vec::new(),
             },
         );
+        self.bus.announce_requests(self.len());
+    }
+
+    pub fn len(&self) -> usize {
+        self.own.len()
     }
 
     /// Request `rid` now holds KV on replica `host` of `model`.
     pub fn place(&self, rid: RequestId, model: ModelIdx, host: String) {
-        if let Some(mut own) = self.0.get_mut(&rid) {
+        if let Some(mut own) = self.own.get_mut(&rid) {
             own.placed.retain(|(m, _)| *m != model);
             own.placed.push((model, host));
         }
     }
 
     pub fn remove(&self, rid: RequestId) {
-        self.0.remove(&rid);
+        if self.own.remove(&rid).is_some() {
+            self.bus.announce_requests(self.len());
+        }
     }
 
     fn actor(&self, rid: RequestId) -> Option<Addr<RequestActor>> {
-        self.0.get(&rid).map(|entry| entry.actor.clone())
+        self.own.get(&rid).map(|entry| entry.actor.clone())
     }
 
     /// Fails (retryably) every request placed on replica `host` of `model`: its KV there
     /// is gone, and this process cannot tell how far that replica got.
     pub fn fail_placed_on(&self, model: ModelIdx, name: &str, host: &str) {
-        for entry in self.0.iter() {
+        for entry in self.own.iter() {
             let own = entry.value();
             if own.placed.iter().any(|(m, h)| *m == model && h == host) {
                 own.actor.do_send(Failed {
@@ -306,6 +330,15 @@ impl FrontendRequests {
             }
         }
     }
+}
+
+/// What cumulative counters added since `last`; all of `now` when they went back (the
+/// host restarted).
+fn counter_delta(last: &[u64], now: &[u64]) -> Vec<u64> {
+    if now.iter().zip(last).any(|(n, l)| n < l) {
+        return now.to_vec();
+    }
+    now.iter().zip(last).map(|(n, l)| n - l).collect()
 }
 
 /// Requests that ended recently, so a handoff still on the bus when its request's withdrawal
@@ -368,29 +401,40 @@ impl BusSide {
         }
     }
 
-    /// Frees the requests of front ends that stopped beating (three missed beats): nobody
-    /// would withdraw them, and their KV would stay here for good.
-    pub fn forget_orphans(&self, batchers: Vec<Addr<BatcherActor>>) -> Result<(), ClusterError> {
-        let last_seen: Arc<DashMap<Arc<str>, Instant>> = Arc::default();
-        let seen = last_seen.clone();
+    /// Follows every front end's beats: the live count is the sum of their requests, and
+    /// the requests of a front end that stopped beating (three missed beats) are freed here,
+    /// since nobody would withdraw them and their KV would stay for good.
+    pub fn follow_frontends(&self, batchers: Vec<Addr<BatcherActor>>) -> Result<(), ClusterError> {
+        /// Per front end: when it was last heard of, and its requests then.
+        type Frontends = DashMap<Arc<str>, (Instant, usize)>;
+        fn count(frontends: &Frontends, live: &LiveRequests) {
+            live.set_announced(frontends.iter().map(|e| e.value().1).sum());
+        }
+        let frontends: Arc<Frontends> = Arc::default();
+        let (heard, live) = (frontends.clone(), self.live.clone());
         self.bus
-            .subscribe(self.bus.frontend_beat_subject("*"), move |payload, _| {
-                if let Ok(beat) = wire::decode::<super::wire::Heartbeat>(payload) {
-                    seen.insert(beat.host.into(), Instant::now());
-                }
-            })?;
+            .subscribe(
+                self.bus.frontend_beat_subject("*"),
+                move |payload, _| match wire::decode::<FrontendBeat>(payload) {
+                    Ok(beat) => {
+                        heard.insert(beat.host.into(), (Instant::now(), beat.requests));
+                        count(&heard, &live);
+                    }
+                    Err(e) => tracing::warn!("ignoring a front end's beat: {e}"),
+                },
+            )?;
         let side = self.clone();
         let silence = self.bus.heartbeat() * 3;
         self.bus.every(self.bus.heartbeat(), move || {
             // A front end is heard from its first request on, beat or not.
             for entry in side.owners.iter() {
-                last_seen
+                frontends
                     .entry(entry.value().clone())
-                    .or_insert_with(Instant::now);
+                    .or_insert_with(|| (Instant::now(), 0));
             }
-            let gone: Vec<Arc<str>> = last_seen
+            let gone: Vec<Arc<str>> = frontends
                 .iter()
-                .filter(|e| e.value().elapsed() > silence)
+                .filter(|e| e.value().0.elapsed() > silence)
                 .map(|e| e.key().clone())
                 .collect();
             for frontend in gone {
@@ -410,9 +454,75 @@ impl BusSide {
                 for rid in orphans {
                     side.forget(rid, &batchers);
                 }
-                last_seen.remove(&frontend);
+                frontends.remove(&frontend);
+                count(&frontends, &side.live);
             }
         });
+        Ok(())
+    }
+
+    /// Sends what each hosted model did, every quarter heartbeat while it does anything.
+    pub fn share_records(&self, hosted: Vec<(String, ModelRecorder)>) {
+        let bus = self.bus.clone();
+        let mut seen = vec![0u64; hosted.len()];
+        self.bus.every(self.bus.heartbeat() / 4, move || {
+            for ((name, recorder), seen) in hosted.iter().zip(&mut seen) {
+                let (steps, total) = recorder.steps_after(*seen);
+                if total == *seen {
+                    continue;
+                }
+                *seen = total;
+                let (routed_to, committed_to) =
+                    recorder.read(|m| (m.routed_to.clone(), m.committed_to.clone()));
+                let digest = RecordDigest {
+                    host: bus.id().to_string(),
+                    steps: steps
+                        .iter()
+                        .map(|s| (s.batch, s.tokens, (s.end - s.start).as_micros() as u64))
+                        .collect(),
+                    routed_to,
+                    committed_to,
+                };
+                bus.publish(bus.record_subject(name), wire::encode(&digest));
+            }
+        });
+    }
+
+    /// Feeds the digests of models hosted elsewhere into this process's records of them,
+    /// where the tuner reads them.
+    pub fn follow_records(&self, remote: Vec<(String, ModelRecorder)>) -> Result<(), ClusterError> {
+        for (name, recorder) in remote {
+            // Per replica: its cumulative counters as last heard.
+            let mut heard: BTreeMap<String, (Vec<u64>, Vec<u64>)> = BTreeMap::new();
+            let subject = self.bus.record_subject(&name);
+            self.bus.subscribe(subject, move |payload, _| {
+                let digest = match wire::decode::<RecordDigest>(payload) {
+                    Ok(digest) => digest,
+                    Err(e) => return tracing::warn!(model = %name, "ignoring a record: {e}"),
+                };
+                let models = recorder.read(|m| m.routed_to.len());
+                if digest.routed_to.len() != models || digest.committed_to.len() != models {
+                    return tracing::warn!(
+                        model = %name,
+                        host = %digest.host,
+                        "ignoring a record for {} models where this process has {models}",
+                        digest.routed_to.len()
+                    );
+                }
+                let zeros = || (vec![0; models], vec![0; models]);
+                let (routed, committed) = heard.entry(digest.host.clone()).or_insert_with(zeros);
+                let routed_delta = counter_delta(routed, &digest.routed_to);
+                let committed_delta = counter_delta(committed, &digest.committed_to);
+                let steps: Vec<(usize, usize, Duration)> = digest
+                    .steps
+                    .iter()
+                    .map(|&(rows, tokens, us)| (rows, tokens, Duration::from_micros(us)))
+                    .collect();
+                recorder.absorb_remote(&steps, &routed_delta, &committed_delta);
+                *routed = digest.routed_to;
+                *committed = digest.committed_to;
+            })?;
+        }
         Ok(())
     }
 
@@ -425,6 +535,11 @@ impl BusSide {
             bus.replica_subject(&model.name, bus.id(), "admit"),
             move |payload, _| match wire::decode::<WireAdmit>(payload) {
                 Ok(admit) => {
+                    if admit.requests.iter().any(|r| r.handoff.is_some()) {
+                        let transit = wire::unix_us().saturating_sub(admit.sent_unix_us);
+                        side.bus
+                            .handoff_arrived(&name, Duration::from_micros(transit));
+                    }
                     let recent = recent.lock().unwrap_or_else(|e| e.into_inner());
                     let arrivals: Vec<Request> = admit
                         .requests

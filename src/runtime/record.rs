@@ -168,6 +168,53 @@ impl ModelRecorder {
         })
     }
 
+    /// Steps recorded after the first `seen` (at most the log's), and how many there have
+    /// been in all.
+    pub fn steps_after(&self, seen: u64) -> (Vec<StepInterval>, u64) {
+        self.with(|r| {
+            let total = r.figures.steps;
+            let new = (total.saturating_sub(seen) as usize).min(r.steps.len());
+            let steps = r.steps.iter().skip(r.steps.len() - new).copied().collect();
+            (steps, total)
+        })
+    }
+
+    /// Takes what another process recorded of this model: its steps (rows, tokens,
+    /// duration; logged as ending now) and route decisions since the last digest. Only the
+    /// record moves, not this process's metrics: the host exports its own.
+    pub fn absorb_remote(
+        &self,
+        steps: &[(usize, usize, Duration)],
+        routed_to: &[u64],
+        committed_to: &[u64],
+    ) {
+        let end = Instant::now();
+        self.with(|r| {
+            for &(batch, tokens, took) in steps {
+                let f = &mut r.figures;
+                f.steps += 1;
+                f.rows_stepped += batch as u64;
+                f.tokens_processed += tokens as u64;
+                if r.steps.len() == STEP_LOG_CAPACITY {
+                    r.steps.pop_front();
+                }
+                r.steps.push_back(StepInterval {
+                    start: end.checked_sub(took).unwrap_or(end),
+                    end,
+                    batch,
+                    tokens,
+                });
+            }
+            let f = &mut r.figures;
+            for (total, add) in f.routed_to.iter_mut().zip(routed_to) {
+                *total += add;
+            }
+            for (total, add) in f.committed_to.iter_mut().zip(committed_to) {
+                *total += add;
+            }
+        });
+    }
+
     pub fn step(&self, interval: StepInterval) {
         let tokens = interval.tokens;
         let seconds = (interval.end - interval.start).as_secs_f64();

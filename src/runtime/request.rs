@@ -114,11 +114,12 @@ impl Actor for RequestActor {
         tracing::debug!(parent: &self.span, status = self.status.as_str(), seconds, "ended");
         self.metrics.ended(self.status, seconds);
         self.live.remove(self.rid);
-        if let Some(frontend) = &self.frontend {
-            frontend.remove(self.rid);
-        }
         for model in &self.models {
             model.withdraw(self.rid);
+        }
+        // After the withdrawals: the hosts' live count never falls below what they hold.
+        if let Some(frontend) = &self.frontend {
+            frontend.remove(self.rid);
         }
     }
 }

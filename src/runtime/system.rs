@@ -413,7 +413,7 @@ impl Runtime {
             .collect();
         let model_names: Arc<[String]> = config.models.iter().map(|m| m.name.clone()).collect();
         let live = LiveRequests::default();
-        let frontend = bus.as_ref().map(|_| FrontendRequests::default());
+        let frontend = bus.as_ref().map(|bus| FrontendRequests::new(bus.clone()));
         let timeout = Duration::from_millis(config.runtime.batch_timeout_ms);
         let batch_arbiter = Arbiter::new();
         let batchers: Vec<Option<Addr<BatcherActor>>> = config
@@ -516,14 +516,20 @@ impl Runtime {
                 owners: Arc::default(),
             };
             let names: Vec<String> = hosted_models.iter().map(|m| m.name.clone()).collect();
-            side.forget_orphans(hosted_models.iter().map(|m| m.batcher.clone()).collect())?;
+            let (here, elsewhere_records): (Vec<_>, Vec<_>) = hosted
+                .iter()
+                .zip(model_names.iter().cloned().zip(recorders.iter().cloned()))
+                .partition(|(&here, _)| here);
+            side.share_records(here.into_iter().map(|(_, r)| r).collect());
+            side.follow_records(elsewhere_records.into_iter().map(|(_, r)| r).collect())?;
+            side.follow_frontends(hosted_models.iter().map(|m| m.batcher.clone()).collect())?;
             for model in hosted_models {
                 bus.answer_pings(&model.name)?;
                 side.serve_model(model)?;
             }
             side.serve_clients()?;
-            let load = live.clone();
-            bus.beat_for(names, move || load.len());
+            let (load, owned) = (live.clone(), frontend.clone());
+            bus.beat_for(names, move || load.here(), move || owned.len());
             let elsewhere: Vec<(usize, String)> = hosted
                 .iter()
                 .enumerate()
@@ -677,6 +683,13 @@ impl Runtime {
         self.bus
             .as_ref()
             .map_or_else(Vec::new, Bus::take_round_trips)
+    }
+
+    /// Transits of handoffs that came over the bus to models hosted here, since the last call.
+    pub fn take_handoff_transits(&self) -> Vec<Duration> {
+        self.bus
+            .as_ref()
+            .map_or_else(Vec::new, Bus::take_handoff_transits)
     }
 
     /// Requests that have not ended yet.

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever a payload's meaning changes.
-pub(crate) const WIRE_VERSION: u32 = 1;
+pub(crate) const WIRE_VERSION: u32 = 2;
 
 #[derive(Serialize, Deserialize)]
 struct Versioned<T> {
@@ -73,6 +73,16 @@ pub(crate) struct WireRequest {
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct WireAdmit {
     pub requests: Vec<WireRequest>,
+    /// When the sender queued this message (µs since the Unix epoch, its clock): the
+    /// receiver's handoff transit.
+    pub sent_unix_us: u64,
+}
+
+/// Now, in µs since the Unix epoch.
+pub(crate) fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// A request ended (`<prefix>.model.<name>.withdraw`): forget it, free its KV.
@@ -107,6 +117,30 @@ pub(crate) struct Heartbeat {
     pub host: String,
     /// Requests live on that host.
     pub load: usize,
+}
+
+/// What a hosted model did lately (`<prefix>.record.<name>`, every quarter heartbeat): the
+/// tuner of a front end, which sees none of a remote model's steps, estimates L(b) and the
+/// routing matrix from these.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct RecordDigest {
+    pub host: String,
+    /// Steps since the previous digest, oldest first: rows, tokens appended, µs.
+    pub steps: Vec<(usize, usize, u64)>,
+    /// Cumulative on that host: request steps there followed by one on model j, and the
+    /// tokens they committed.
+    pub routed_to: Vec<u64>,
+    pub committed_to: Vec<u64>,
+}
+
+/// A process is alive as a front end (`<prefix>.frontend.<host>`), every heartbeat and
+/// whenever its number of requests changes: hosts free the requests of a front end that
+/// stops, and add up `requests` for their live count.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct FrontendBeat {
+    pub host: String,
+    /// Requests this process owns (streams to its clients) that have not ended.
+    pub requests: usize,
 }
 
 /// An event for one request's client (`<prefix>.client.<frontend>`).
@@ -156,6 +190,7 @@ mod tests {
                 frontend: "f1".into(),
                 hosts: vec![None, Some("h2".into())],
             }],
+            sent_unix_us: 1_700_000_000_000_000,
         };
         let bytes = encode(&admit);
         let back: WireAdmit = decode(&bytes).unwrap();
@@ -164,6 +199,7 @@ mod tests {
         assert_eq!(r.state.seen, [4, 3]);
         assert_eq!(r.handoff.as_ref().unwrap().tokens, [9]);
         assert_eq!((r.policy.as_str(), r.logprobs), ("r2r", Some(3)));
+        assert_eq!(back.sent_unix_us, 1_700_000_000_000_000);
 
         let mut value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         value["v"] = (WIRE_VERSION + 1).into();

@@ -8,6 +8,7 @@ use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+pub mod cluster;
 pub mod server;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;

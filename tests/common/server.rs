@@ -264,21 +264,18 @@ threshold = {r2r_threshold}
     path
 }
 
-/// Every `expr` of every panel in `dashboards/*.json`.
-pub fn dashboard_exprs() -> Vec<String> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("dashboards");
+/// Every `expr` of every panel in `dashboards/<file>` (`tokenrouter.json`: one process;
+/// `tokenrouter-cluster.json`: front ends and workers on a bus).
+pub fn dashboard_exprs(file: &str) -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("dashboards")
+        .join(file);
+    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut exprs = Vec::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "json") {
-            let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
-                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            let panels = dashboard["panels"].as_array().expect("panels");
-            for panel in panels {
-                for target in panel["targets"].as_array().into_iter().flatten() {
-                    exprs.push(target["expr"].as_str().expect("expr").to_string());
-                }
-            }
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            exprs.push(target["expr"].as_str().expect("expr").to_string());
         }
     }
     exprs
