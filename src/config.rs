@@ -795,13 +795,6 @@ impl Config {
                     remote.name
                 )));
             };
-            if self.runtime.mode == ExecutionMode::Lockstep {
-                return Err(ConfigError::Invalid(format!(
-                    "runtime.mode = \"lockstep\" steps one model at a time under one lock, which \
-                     cannot span processes; model `{}` is remote",
-                    remote.name
-                )));
-            }
             cluster.validate()?;
         }
         if let Some(t) = &self.tuning {

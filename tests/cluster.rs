@@ -47,7 +47,7 @@ async fn run(rt: &Runtime, max_tokens: usize) -> Vec<Vec<u32>> {
 async fn greedy_tokens_across_processes_match_one_process_in_every_mode() {
     let Some(nats) = nats_server() else { return };
     let dir = tempfile::tempdir().unwrap();
-    for mode in ["async", "standard", "tokenrouter"] {
+    for mode in ["async", "standard", "tokenrouter", "lockstep"] {
         let (worker_config, frontend) = write_configs(dir.path(), nats.port, mode);
         let local = Runtime::start(&in_one_process(&frontend), None).unwrap();
         let want = run(&local, 24).await;
@@ -58,6 +58,9 @@ async fn greedy_tokens_across_processes_match_one_process_in_every_mode() {
             .unwrap_or_else(|e| panic!("{e}; worker: {}", worker.log.lock().unwrap()));
         let got = run(&rt, 24).await;
         assert_eq!(got, want, "mode {mode}");
+        // In lockstep every step of the worker's model waited for the front end's grant.
+        let log = worker.log.lock().unwrap().clone();
+        assert!(!log.contains("step lock"), "mode {mode}: {log}");
         assert!(
             rt.snapshot().models[0].steps > 0,
             "the small model here never stepped"
@@ -407,7 +410,7 @@ async fn the_real_pair_on_two_workers_writes_the_tokens_of_one_process() {
             out
         }
     };
-    for mode in ["async", "standard", "tokenrouter"] {
+    for mode in ["async", "standard", "tokenrouter", "lockstep"] {
         let (worker_config, frontend) = real_pair_config(dir.path(), &model, nats.port, mode);
         let local = Runtime::start(&in_one_process(&frontend), None).unwrap();
         let want = run(&local).await;

@@ -991,31 +991,6 @@ pub fn summary(rows: &[RoutingBenchRow]) -> String {
                 optional(pick(|r| r.long_prompt_gap_ratio), "×"),
             );
         }
-        let Some(&(_, ours)) = medians.iter().find(|(m, _)| *m == "tokenrouter") else {
-            continue;
-        };
-        let checks: Vec<String> = rows
-            .iter()
-            .filter(|r| r.policy == policy && r.concurrency == n)
-            .filter(|r| r.mode.starts_with("tokenrouter"))
-            .filter_map(|r| Some((r, r.controller?)))
-            .map(|(r, c)| {
-                format!(
-                    "{} round {}: tuned {} / eager {} tok/s → {:?}",
-                    r.mode,
-                    r.round,
-                    optional(c.tuned_tokens_per_s, ""),
-                    optional(c.eager_tokens_per_s, ""),
-                    c.choice
-                )
-            })
-            .collect();
-        if !checks.is_empty() {
-            comparisons += &format!(
-                "\n{policy}, N = {n}: the tuner's eager check at each round's end: {}\n",
-                checks.join("; ")
-            );
-        }
         let bus_figures = |what: &str, figure: fn(&RoutingBenchRow) -> Option<(f64, f64)>| {
             let cells: Vec<String> = rows
                 .iter()
@@ -1041,6 +1016,31 @@ pub fn summary(rows: &[RoutingBenchRow]) -> String {
             "added latency per handoff, its one-way transit over the bus from the remote model",
             |r| r.handoff_transit_us,
         );
+        let checks: Vec<String> = rows
+            .iter()
+            .filter(|r| r.policy == policy && r.concurrency == n)
+            .filter(|r| r.mode.starts_with("tokenrouter"))
+            .filter_map(|r| Some((r, r.controller?)))
+            .map(|(r, c)| {
+                format!(
+                    "{} round {}: tuned {} / eager {} tok/s → {:?}",
+                    r.mode,
+                    r.round,
+                    optional(c.tuned_tokens_per_s, ""),
+                    optional(c.eager_tokens_per_s, ""),
+                    c.choice
+                )
+            })
+            .collect();
+        if !checks.is_empty() {
+            comparisons += &format!(
+                "\n{policy}, N = {n}: the tuner's eager check at each round's end: {}\n",
+                checks.join("; ")
+            );
+        }
+        let Some(&(_, ours)) = medians.iter().find(|(m, _)| *m == "tokenrouter") else {
+            continue;
+        };
         let against: Vec<String> = medians
             .iter()
             .filter(|(m, _)| *m != "tokenrouter")

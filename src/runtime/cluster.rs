@@ -10,6 +10,7 @@
 //! | `model.<m>.describe` | `ModelFacts`, request/reply | a joining process → a replica of m |
 //! | `heartbeat.<m>` | `Heartbeat` (host, load), every `heartbeat_ms` | each replica of m → everyone |
 //! | `record.<m>` | `RecordDigest`: steps and route counts, every quarter heartbeat | each replica of m → everyone |
+//! | `steplock.acquire` / `.grant.<id>` / `.release` | `lockstep`: a turn to step | a host → the front end → that host |
 //! | `frontend.<id>` | `FrontendBeat` (host, requests), every `heartbeat_ms` and on each change | every process → everyone |
 //! | `client.<id>` | `ClientEvent`: tokens, finish, failure, placement | a host → the front end `id` |
 //!
@@ -215,6 +216,11 @@ impl Bus {
     /// Where the hosts of `model` send what it did (`RecordDigest`).
     pub fn record_subject(&self, model: &str) -> String {
         format!("{}.record.{model}", self.0.prefix)
+    }
+
+    /// `<prefix>.steplock.<what>`: the `lockstep` turn to step.
+    pub fn step_lock_subject(&self, what: &str) -> String {
+        format!("{}.steplock.{what}", self.0.prefix)
     }
 
     /// Where front end `frontend` beats (`*` for every front end).

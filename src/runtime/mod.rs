@@ -12,6 +12,7 @@ mod messages;
 mod model;
 mod record;
 mod request;
+mod step_lock;
 mod system;
 mod tuner;
 mod wire;

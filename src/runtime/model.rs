@@ -9,13 +9,14 @@ use super::link::{Client, ModelLink};
 use super::live::LiveRequests;
 use super::messages::{Committed, Failed, Finished, FreeRequest, ModelIdle, Release, Request};
 use super::record::{ModelRecorder, StepInterval};
+use super::step_lock::StepLock;
 use crate::config::ExecutionMode;
 use crate::engine::{StepExecutor, StepOutput};
 use crate::policy::ModelIdx;
 use actix::prelude::*;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub(crate) struct ModelActor {
@@ -29,7 +30,7 @@ pub(crate) struct ModelActor {
     live: LiveRequests,
     recorder: ModelRecorder,
     /// `lockstep`: one step at a time across all models.
-    global_step_lock: Option<Arc<Mutex<()>>>,
+    global_step_lock: Option<StepLock>,
     fault_every_steps: u64,
     steps_run: u64,
     /// Every model's name, by index (handoff metric labels).
@@ -45,7 +46,7 @@ pub(crate) struct ModelActorParts {
     pub peers: Vec<ModelLink>,
     pub live: LiveRequests,
     pub recorder: ModelRecorder,
-    pub global_step_lock: Option<Arc<Mutex<()>>>,
+    pub global_step_lock: Option<StepLock>,
     pub fault_every_steps: u64,
     pub model_names: Arc<[String]>,
     /// Most tokens one step appends (`None`: unlimited).
@@ -163,9 +164,7 @@ impl ModelActor {
         let inject_fault =
             self.fault_every_steps > 0 && self.steps_run.is_multiple_of(self.fault_every_steps);
         let lock = self.global_step_lock.clone();
-        let guard = lock
-            .as_ref()
-            .map(|l| l.lock().unwrap_or_else(|e| e.into_inner()));
+        let guard = lock.as_ref().map(StepLock::acquire);
         let start = Instant::now();
         let executor = &mut self.executor;
         let result = catch_unwind(AssertUnwindSafe(|| {

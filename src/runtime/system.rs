@@ -13,6 +13,7 @@ use super::messages::{Cancel, Start};
 use super::model::{ModelActor, ModelActorParts};
 use super::record::{ModelRecorder, RuntimeSnapshot};
 use super::request::{RequestActor, RequestEvent};
+use super::step_lock::{serve_step_lock, StepLock};
 use super::tuner::{TunerActor, TunerSettings};
 use super::wire::{self, ModelFacts};
 use crate::config::{Config, ExecutionMode, ModelConfig, Placement, PolicyConfig, PolicyUpdate};
@@ -302,13 +303,6 @@ impl Runtime {
         let latency_priors = config.latency_priors_ms()?;
         let mode = mode.unwrap_or(config.runtime.mode);
         let everything_here = hosted.iter().all(|&h| h);
-        if !everything_here && mode == ExecutionMode::Lockstep {
-            return Err(RuntimeError::InvalidRequest(
-                "lockstep mode steps one model at a time under one lock, which cannot span \
-                 processes: it needs every model in this process"
-                    .into(),
-            ));
-        }
         let tokenizer = match config
             .models
             .iter()
@@ -472,7 +466,16 @@ impl Runtime {
                 });
                 arbiter
             });
-        let global_step_lock = (mode == ExecutionMode::Lockstep).then(|| Arc::new(Mutex::new(())));
+        let global_step_lock = match (mode, &bus) {
+            (ExecutionMode::Lockstep, None) => Some(StepLock::Local(Arc::default())),
+            (ExecutionMode::Lockstep, Some(bus)) => {
+                if matches!(role, Role::Frontend) {
+                    serve_step_lock(bus)?;
+                }
+                Some(StepLock::over_bus(bus)?)
+            }
+            _ => None,
+        };
         let mut model_arbiters = Vec::new();
         let mut hosted_models = Vec::new();
         for (idx, (executor, model_config)) in executors.into_iter().zip(&config.models).enumerate()

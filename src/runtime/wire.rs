@@ -133,6 +133,20 @@ pub(crate) struct RecordDigest {
     pub committed_to: Vec<u64>,
 }
 
+/// `lockstep`: `host` asks the front end for the next turn to step
+/// (`<prefix>.steplock.acquire`).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct StepLockRequest {
+    pub host: String,
+}
+
+/// A turn to step: granted (`<prefix>.steplock.grant.<host>`), and given back
+/// (`<prefix>.steplock.release`).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct StepLockGrant {
+    pub grant: u64,
+}
+
 /// A process is alive as a front end (`<prefix>.frontend.<host>`), every heartbeat and
 /// whenever its number of requests changes: hosts free the requests of a front end that
 /// stops, and add up `requests` for their live count.
