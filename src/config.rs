@@ -101,6 +101,13 @@ pub struct ClusterConfig {
     /// PEM file of the CA that signed the server's certificate; turns TLS on.
     #[serde(default)]
     pub tls_ca: Option<PathBuf>,
+    /// File holding this process's NATS nkey seed (`SU...`), for a server that
+    /// authenticates users by key pair; `nkey_seed_env` is read when absent.
+    #[serde(default)]
+    pub nkey_seed_file: Option<PathBuf>,
+    /// Environment variable holding the nkey seed.
+    #[serde(default = "default_nkey_seed_env")]
+    pub nkey_seed_env: String,
 }
 
 /// Never prints the token.
@@ -114,6 +121,8 @@ impl std::fmt::Debug for ClusterConfig {
             .field("heartbeat_ms", &self.heartbeat_ms)
             .field("join_timeout_ms", &self.join_timeout_ms)
             .field("tls_ca", &self.tls_ca)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("nkey_seed_env", &self.nkey_seed_env)
             .finish()
     }
 }
@@ -129,6 +138,8 @@ impl ClusterConfig {
             heartbeat_ms: default_heartbeat_ms(),
             join_timeout_ms: default_join_timeout_ms(),
             tls_ca: None,
+            nkey_seed_file: None,
+            nkey_seed_env: default_nkey_seed_env(),
         }
     }
 
@@ -155,6 +166,20 @@ impl ClusterConfig {
         Ok(())
     }
 
+    /// The nkey seed from `nkey_seed_file`, else from `nkey_seed_env`.
+    pub fn nkey_seed(&self) -> Result<Option<String>, ConfigError> {
+        let seed = match &self.nkey_seed_file {
+            Some(path) => std::fs::read_to_string(path).map(Some).map_err(|e| {
+                ConfigError::Invalid(format!(
+                    "cluster.nkey_seed_file: cannot read {}: {e}",
+                    path.display()
+                ))
+            })?,
+            None => std::env::var(&self.nkey_seed_env).ok(),
+        };
+        Ok(seed.map(|s| s.trim().to_string()).filter(|s| !s.is_empty()))
+    }
+
     /// The token from the config, else from `token_env`.
     pub fn token(&self) -> Option<String> {
         self.token
@@ -166,6 +191,10 @@ impl ClusterConfig {
 
 fn default_token_env() -> String {
     "TOKENROUTER_NATS_TOKEN".into()
+}
+
+fn default_nkey_seed_env() -> String {
+    "TOKENROUTER_NATS_NKEY_SEED".into()
 }
 
 fn default_subject_prefix() -> String {
@@ -1131,5 +1160,23 @@ mod tests {
             Config::parse("[[models]]\nname = \"m\"\npath = \"a\"\nlayers = \"0-3\"\n").unwrap();
         assert_eq!(config.models[0].layer_indices(4).unwrap(), vec![0, 1, 2, 3]);
         assert!(config.models[0].layer_indices(3).is_err());
+    }
+
+    #[test]
+    fn the_nkey_seed_comes_from_its_file_else_its_variable() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cluster = ClusterConfig::at("nats://127.0.0.1:4222");
+        cluster.nkey_seed_env = "TOKENROUTER_TEST_NKEY_SEED_UNSET".into();
+        assert_eq!(cluster.nkey_seed().unwrap(), None);
+        let path = dir.path().join("seed");
+        std::fs::write(&path, "SUSEED\n").unwrap();
+        cluster.nkey_seed_file = Some(path.clone());
+        assert_eq!(cluster.nkey_seed().unwrap().as_deref(), Some("SUSEED"));
+        cluster.nkey_seed_file = Some(dir.path().join("missing"));
+        let err = cluster.nkey_seed().unwrap_err().to_string();
+        assert!(
+            err.contains("cluster.nkey_seed_file") && err.contains("missing"),
+            "{err}"
+        );
     }
 }

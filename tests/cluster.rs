@@ -173,6 +173,13 @@ fn a_worker_with_the_wrong_token_is_refused_and_does_not_log_it() {
     let (worker_config, _) = write_configs(dir.path(), nats.port, "async");
     let wrong = "wrong-secret-0d17";
     let mut worker = Worker::start(&worker_config, "large", wrong);
+    let log = refused(&mut worker);
+    assert!(log.to_lowercase().contains("authorization"), "{log}");
+    assert!(!log.contains(wrong), "the token is in the log: {log}");
+}
+
+/// Waits for a worker that should be refused to exit; its log.
+fn refused(worker: &mut Worker) -> String {
     let started = Instant::now();
     let status = loop {
         if let Some(status) = worker.child.try_wait().unwrap() {
@@ -188,8 +195,61 @@ fn a_worker_with_the_wrong_token_is_refused_and_does_not_log_it() {
     std::thread::sleep(Duration::from_millis(100));
     let log = worker.log.lock().unwrap().clone();
     assert!(log.contains("cannot join the NATS bus"), "{log}");
+    log
+}
+
+/// A server that authenticates users by nkey: a worker and a front end with the user's seed
+/// (from a file) serve; a worker with another key pair's seed is refused without it logged.
+#[actix_rt::test]
+async fn nkey_credentials_join_and_another_key_is_refused_without_its_seed_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let user = nkeys::KeyPair::new_user();
+    let conf = dir.path().join("nkey.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "authorization {{\n  users = [ {{ nkey: \"{}\" }} ]\n}}\n",
+            user.public_key()
+        ),
+    )
+    .unwrap();
+    let conf = conf.display().to_string();
+    let Some(nats) = nats_server_args(&["-c", &conf]) else {
+        return;
+    };
+    let seed_file = |name: &str, seed: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("{seed}\n")).unwrap();
+        format!("nkey_seed_file = \"{}\"\n", path.display())
+    };
+
+    let stranger = nkeys::KeyPair::new_user().seed().unwrap();
+    let (wrong_config, _) = write_configs_with(
+        dir.path(),
+        nats.port,
+        "async",
+        &seed_file("wrong", &stranger),
+    );
+    let mut wrong = Worker::start(&wrong_config, "large", "");
+    let log = refused(&mut wrong);
     assert!(log.to_lowercase().contains("authorization"), "{log}");
-    assert!(!log.contains(wrong), "the token is in the log: {log}");
+    assert!(!log.contains(&stranger), "the seed is in the log: {log}");
+
+    let seed = user.seed().unwrap();
+    let (worker_config, mut frontend) =
+        write_configs_with(dir.path(), nats.port, "async", &seed_file("right", &seed));
+    frontend.cluster.as_mut().unwrap().token = None;
+    let _worker = Worker::start(&worker_config, "large", "");
+    let rt = Runtime::start(&frontend, None).unwrap();
+    let done = rt
+        .submit(request(&[5, 6, 7], "large", 4, 1))
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(done.token_ids.len(), 4);
+    assert!(!format!("{frontend:?}").contains(&seed));
+    rt.shutdown();
 }
 
 /// A CA and a server certificate for 127.0.0.1 signed by it, made with `openssl`.

@@ -108,6 +108,13 @@ impl Bus {
         if let Some(token) = config.token() {
             options = options.token(token);
         }
+        let seed = config.nkey_seed().map_err(|e| ClusterError::Connect {
+            url: config.url.clone(),
+            reason: e.to_string(),
+        })?;
+        if let Some(seed) = seed {
+            options = options.nkey(seed);
+        }
         if let Some(ca) = &config.tls_ca {
             options = options.require_tls(true).add_root_certificates(ca.clone());
         }

@@ -30,8 +30,13 @@ pub fn nats_server() -> Option<Nats> {
     nats_server_with(&[])
 }
 
-/// `nats-server` with extra arguments (TLS).
+/// `nats-server` requiring `TOKEN`, with extra arguments (TLS).
 pub fn nats_server_with(extra: &[&str]) -> Option<Nats> {
+    nats_server_args(&[&["--auth", TOKEN], extra].concat())
+}
+
+/// `nats-server` on a free loopback port with `args` alone (its own authorization).
+pub fn nats_server_args(args: &[&str]) -> Option<Nats> {
     let program = ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
         .into_iter()
         .map(PathBuf::from)
@@ -49,8 +54,8 @@ pub fn nats_server_with(extra: &[&str]) -> Option<Nats> {
         .unwrap()
         .port();
     let child = Command::new(program)
-        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "--auth", TOKEN])
-        .args(extra)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
