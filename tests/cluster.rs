@@ -673,13 +673,10 @@ async fn a_workers_requests_of_a_dead_front_end_are_freed() {
     }
 }
 
-/// A model's host counts the requests live anywhere, not only those that reached it: the
-/// worker hosting `large` counts eight requests that only `small` (here) writes. Both models
-/// are latency-profile simulations, so the requests outlast the polling.
-#[actix_rt::test]
-async fn a_worker_counts_the_requests_live_on_other_processes() {
-    let Some(nats) = nats_server() else { return };
-    let dir = tempfile::tempdir().unwrap();
+/// Both models latency-profile simulations (10 ms a step) in `tokenrouter` mode, `large` on
+/// a worker; `large_extra` goes into `large`'s section. The worker's config file and the
+/// front end's config.
+fn simulated_pair(dir: &Path, port: u16, large_extra: &str) -> (PathBuf, Config) {
     let text = |placement: &str, token: &str| {
         format!(
             r#"
@@ -690,20 +687,32 @@ latency_profile_ms = [10.0, 0.0]
 name = "large"
 latency_profile_ms = [10.0, 0.0]
 placement = "{placement}"
+{large_extra}
 [runtime]
 mode = "tokenrouter"
 retune_interval_ms = 0
+batch_timeout_ms = 60000
 [cluster]
-url = "nats://127.0.0.1:{}"
+url = "nats://127.0.0.1:{port}"
 heartbeat_ms = 500
 {token}
-"#,
-            nats.port
+"#
         )
     };
-    let worker_config = dir.path().join("worker.toml");
+    let worker_config = dir.join("worker.toml");
     std::fs::write(&worker_config, text("local", "")).unwrap();
     let frontend = Config::parse(&text("remote", &format!("token = \"{TOKEN}\""))).unwrap();
+    (worker_config, frontend)
+}
+
+/// A model's host counts the requests live anywhere, not only those that reached it: the
+/// worker hosting `large` counts eight requests that only `small` (here) writes. Both models
+/// are latency-profile simulations, so the requests outlast the polling.
+#[actix_rt::test]
+async fn a_worker_counts_the_requests_live_on_other_processes() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, frontend) = simulated_pair(dir.path(), nats.port, "");
     let (_worker, port) = Worker::with_metrics(&worker_config, "large");
     let live_there = || {
         http_get(port, "/metrics")
@@ -739,6 +748,49 @@ heartbeat_ms = 500
             live_there()
         );
         actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    rt.shutdown();
+}
+
+/// A worker's batch completes when the live count falls without a withdrawal reaching its
+/// gate: `large` waits for 8 (its threshold; the timeout is a minute) while three requests
+/// live, two of them waiting on it; the third belongs to another front end that dies, and
+/// once the worker stops counting it (three missed beats) the two are all there is and step.
+#[actix_rt::test]
+async fn a_worker_batch_completes_when_the_live_count_falls() {
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (worker_config, frontend) = simulated_pair(dir.path(), nats.port, "batch_threshold = 8");
+    let (_worker, port) = Worker::with_metrics(&worker_config, "large");
+    let live_there = || {
+        http_get(port, "/metrics")
+            .lines()
+            .find(|l| l.starts_with("tokenrouter_live_requests "))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    let doomed = Runtime::start(&frontend, None).unwrap();
+    let elsewhere = GenerateRequest {
+        ignore_eos: true,
+        ..request(&[5, 6, 7], "small", 1000, 0)
+    };
+    let handle = doomed.submit(elsewhere).unwrap();
+    let started = Instant::now();
+    while live_there() != Some(1.0) {
+        assert!(started.elapsed() < Duration::from_secs(10), "never counted");
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rt = Runtime::start(&frontend, None).unwrap();
+    let waiting: Vec<_> = (1..3u64)
+        .map(|i| rt.submit(request(&[5, 6, 7], "large", 4, i)).unwrap())
+        .collect();
+    // The other front end dies without a word.
+    std::mem::forget(handle);
+    doomed.shutdown();
+    for h in waiting {
+        let done = actix_rt::time::timeout(Duration::from_secs(10), h.collect())
+            .await
+            .expect("the worker's batch never completed");
+        assert_eq!(done.unwrap().token_ids.len(), 4);
     }
     rt.shutdown();
 }

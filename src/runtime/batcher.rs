@@ -4,7 +4,9 @@
 
 use super::core::{BatchGate, GateDecision};
 use super::live::LiveRequests;
-use super::messages::{Admit, FreeRequest, ModelIdle, Release, Request, SetThreshold, Withdraw};
+use super::messages::{
+    Admit, FreeRequest, ModelIdle, Recount, Release, Request, SetThreshold, Withdraw,
+};
 use super::model::ModelActor;
 use super::record::ModelRecorder;
 use actix::prelude::*;
@@ -120,6 +122,14 @@ impl Handler<Withdraw> for BatcherActor {
             model.do_send(FreeRequest { rid: msg.rid });
         }
         self.recorder.waiting(self.gate.waiting());
+        self.try_release(ctx);
+    }
+}
+
+impl Handler<Recount> for BatcherActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Recount, ctx: &mut Context<Self>) {
         self.try_release(ctx);
     }
 }

@@ -9,7 +9,7 @@ use super::cluster::{Bus, ClusterError};
 use super::core::{FailureKind, InFlight, RequestId, RequestParams};
 use super::live::LiveRequests;
 use super::messages::{
-    Admit, Committed, Failed, Finished, Placed, Request, SetThreshold, Withdraw,
+    Admit, Committed, Failed, Finished, Placed, Recount, Request, SetThreshold, Withdraw,
 };
 use super::record::ModelRecorder;
 use super::request::{RequestActor, RequestEvent};
@@ -407,18 +407,26 @@ impl BusSide {
     pub fn follow_frontends(&self, batchers: Vec<Addr<BatcherActor>>) -> Result<(), ClusterError> {
         /// Per front end: when it was last heard of, and its requests then.
         type Frontends = DashMap<Arc<str>, (Instant, usize)>;
-        fn count(frontends: &Frontends, live: &LiveRequests) {
-            live.set_announced(frontends.iter().map(|e| e.value().1).sum());
+        /// Sets the live count; when it fell, the batchers look again (a batch may be
+        /// complete now, as a withdrawal tells them in one process).
+        fn count(frontends: &Frontends, live: &LiveRequests, batchers: &[Addr<BatcherActor>]) {
+            let (before, now) = (live.len(), frontends.iter().map(|e| e.value().1).sum());
+            live.set_announced(now);
+            if live.len() < before {
+                for batcher in batchers {
+                    batcher.do_send(Recount);
+                }
+            }
         }
         let frontends: Arc<Frontends> = Arc::default();
-        let (heard, live) = (frontends.clone(), self.live.clone());
+        let (heard, live, poked) = (frontends.clone(), self.live.clone(), batchers.clone());
         self.bus
             .subscribe(
                 self.bus.frontend_beat_subject("*"),
                 move |payload, _| match wire::decode::<FrontendBeat>(payload) {
                     Ok(beat) => {
                         heard.insert(beat.host.into(), (Instant::now(), beat.requests));
-                        count(&heard, &live);
+                        count(&heard, &live, &poked);
                     }
                     Err(e) => tracing::warn!("ignoring a front end's beat: {e}"),
                 },
@@ -455,7 +463,7 @@ impl BusSide {
                     side.forget(rid, &batchers);
                 }
                 frontends.remove(&frontend);
-                count(&frontends, &side.live);
+                count(&frontends, &side.live, &batchers);
             }
         });
         Ok(())

@@ -80,6 +80,12 @@ pub(crate) struct Withdraw {
     pub rid: RequestId,
 }
 
+/// Bus → a hosted model's batcher: the front ends' live count fell, so every live request
+/// may be waiting here now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Recount;
+
 /// Runtime → request: the client gave up.
 #[derive(Message)]
 #[rtype(result = "()")]
