@@ -15,6 +15,15 @@ use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, ExecutionMode};
 use tokenrouter::runtime::{GenerateRequest, Runtime, RuntimeError};
 
+/// Polls `holds` every 20 ms until it does, failing after 10 s with `what`.
+async fn eventually(what: &str, holds: impl Fn() -> bool) {
+    let started = Instant::now();
+    while !holds() {
+        assert!(started.elapsed() < Duration::from_secs(10), "never: {what}");
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn prompts() -> Vec<Vec<u32>> {
     (0..6u32)
         .map(|i| {
@@ -628,14 +637,7 @@ async fn a_workers_requests_of_a_dead_front_end_are_freed() {
     let dir = tempfile::tempdir().unwrap();
     let (worker_config, frontend) = write_configs(dir.path(), nats.port, "async");
     let (_worker, port) = Worker::with_metrics(&worker_config, "large");
-    let kv_used = || {
-        let metrics = http_get(port, "/metrics");
-        metrics
-            .lines()
-            .find(|l| l.starts_with("tokenrouter_kv_tokens_used{model=\"large\"}"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
+    let kv_used = || worker_metric(port, "tokenrouter_kv_tokens_used");
     let rt = Runtime::start(&frontend, None).unwrap();
     let mut handles: Vec<_> = (0..8u64)
         .map(|i| {
@@ -649,28 +651,13 @@ async fn a_workers_requests_of_a_dead_front_end_are_freed() {
     for h in &mut handles {
         h.events.recv().await.unwrap();
     }
-    let started = Instant::now();
-    while kv_used() == 0.0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the worker never held KV"
-        );
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the worker holds KV", || kv_used() > 0.0).await;
     // The front end dies without withdrawing anything.
     for h in handles {
         std::mem::forget(h);
     }
     rt.shutdown();
-    let died = Instant::now();
-    while kv_used() > 0.0 {
-        assert!(
-            died.elapsed() < Duration::from_secs(10),
-            "the worker still holds {} KV tokens",
-            kv_used()
-        );
-        actix_rt::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually("the worker's KV back to 0", || kv_used() == 0.0).await;
 }
 
 /// Both models latency-profile simulations (10 ms a step) in `tokenrouter` mode, `large` on
@@ -714,12 +701,7 @@ async fn a_worker_counts_the_requests_live_on_other_processes() {
     let dir = tempfile::tempdir().unwrap();
     let (worker_config, frontend) = simulated_pair(dir.path(), nats.port, "");
     let (_worker, port) = Worker::with_metrics(&worker_config, "large");
-    let live_there = || {
-        http_get(port, "/metrics")
-            .lines()
-            .find(|l| l.starts_with("tokenrouter_live_requests "))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-    };
+    let live_there = || worker_metric(port, "tokenrouter_live_requests");
     let rt = Runtime::start(&frontend, None).unwrap();
     let handles: Vec<_> = (0..8u64)
         .map(|i| {
@@ -730,25 +712,9 @@ async fn a_worker_counts_the_requests_live_on_other_processes() {
             rt.submit(long).unwrap()
         })
         .collect();
-    let started = Instant::now();
-    while live_there() != Some(8.0) {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the worker counts {:?} live requests, not 8",
-            live_there()
-        );
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the worker counts 8 live requests", || live_there() == 8.0).await;
     drop(handles);
-    let cancelled = Instant::now();
-    while live_there() != Some(0.0) {
-        assert!(
-            cancelled.elapsed() < Duration::from_secs(10),
-            "the worker still counts {:?} live requests",
-            live_there()
-        );
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the worker counts none", || live_there() == 0.0).await;
     rt.shutdown();
 }
 
@@ -762,23 +728,17 @@ async fn a_worker_batch_completes_when_the_live_count_falls() {
     let dir = tempfile::tempdir().unwrap();
     let (worker_config, frontend) = simulated_pair(dir.path(), nats.port, "batch_threshold = 8");
     let (_worker, port) = Worker::with_metrics(&worker_config, "large");
-    let live_there = || {
-        http_get(port, "/metrics")
-            .lines()
-            .find(|l| l.starts_with("tokenrouter_live_requests "))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-    };
     let doomed = Runtime::start(&frontend, None).unwrap();
     let elsewhere = GenerateRequest {
         ignore_eos: true,
         ..request(&[5, 6, 7], "small", 1000, 0)
     };
     let handle = doomed.submit(elsewhere).unwrap();
-    let started = Instant::now();
-    while live_there() != Some(1.0) {
-        assert!(started.elapsed() < Duration::from_secs(10), "never counted");
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
+    let live_there = || worker_metric(port, "tokenrouter_live_requests");
+    eventually("the worker counts the other front end's request", || {
+        live_there() == 1.0
+    })
+    .await;
     let rt = Runtime::start(&frontend, None).unwrap();
     let waiting: Vec<_> = (1..3u64)
         .map(|i| rt.submit(request(&[5, 6, 7], "large", 4, i)).unwrap())

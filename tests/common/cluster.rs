@@ -219,3 +219,8 @@ pub fn http_get(port: u16, path: &str) -> String {
     stream.read_to_string(&mut response).unwrap();
     response
 }
+
+/// The sum of metric `name`'s samples on the `/metrics` at a loopback port (0 without any).
+pub fn worker_metric(port: u16, name: &str) -> f64 {
+    super::server::metric_sum(&http_get(port, "/metrics"), name)
+}
