@@ -268,6 +268,17 @@ fn prometheus_scrapes_a_cluster_and_every_cluster_dashboard_query_returns_data()
         &["me", "rstitch"],
         Instant::now() + Duration::from_secs(6),
     );
+    // /health lists the worker as an up replica of `large` that took requests.
+    let (status, health) = server.call("GET", "/health", None, None);
+    assert_eq!(status, 200);
+    let replicas = health["replicas"].as_array().expect("replicas in /health");
+    assert!(
+        replicas.len() == 1
+            && replicas[0]["model"] == "large"
+            && replicas[0]["up"] == true
+            && replicas[0]["placed"].as_u64() > Some(0),
+        "{health}"
+    );
     std::thread::sleep(Duration::from_secs(3));
     prometheus.assert_every_query_has_data(2, "tokenrouter-cluster.json");
 }

@@ -3,6 +3,7 @@
 use super::AppState;
 use crate::policy::registry::PolicyRegistry;
 use crate::policy::{PolicyInfo, PolicyKind};
+use crate::runtime::ReplicaStatus;
 use actix_web::{web, HttpResponse};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -115,6 +116,9 @@ struct Health<'a> {
     models: Vec<&'a str>,
     live_requests: usize,
     queued_requests: usize,
+    /// With models on workers: each remote replica as this front end sees it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    replicas: Vec<ReplicaStatus>,
 }
 
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
@@ -124,6 +128,7 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
         models: state.runtime.model_names(),
         live_requests: state.runtime.live_requests(),
         queued_requests: state.admission.queued(),
+        replicas: state.runtime.replicas(),
     })
 }
 
