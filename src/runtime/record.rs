@@ -111,6 +111,19 @@ struct ModelRecord {
     steps: VecDeque<StepInterval>,
 }
 
+impl ModelRecord {
+    /// Counts a step and keeps it in the log (the oldest goes when the log is full).
+    fn log_step(&mut self, interval: StepInterval) {
+        self.figures.steps += 1;
+        self.figures.rows_stepped += interval.batch as u64;
+        self.figures.tokens_processed += interval.tokens as u64;
+        if self.steps.len() == STEP_LOG_CAPACITY {
+            self.steps.pop_front();
+        }
+        self.steps.push_back(interval);
+    }
+}
+
 /// The single recording point of one model's events (its model actor and its batcher
 /// share it).
 #[derive(Clone)]
@@ -191,14 +204,7 @@ impl ModelRecorder {
         let end = Instant::now();
         self.with(|r| {
             for &(batch, tokens, took) in steps {
-                let f = &mut r.figures;
-                f.steps += 1;
-                f.rows_stepped += batch as u64;
-                f.tokens_processed += tokens as u64;
-                if r.steps.len() == STEP_LOG_CAPACITY {
-                    r.steps.pop_front();
-                }
-                r.steps.push_back(StepInterval {
+                r.log_step(StepInterval {
                     start: end.checked_sub(took).unwrap_or(end),
                     end,
                     batch,
@@ -216,18 +222,9 @@ impl ModelRecorder {
     }
 
     pub fn step(&self, interval: StepInterval) {
-        let tokens = interval.tokens;
         let seconds = (interval.end - interval.start).as_secs_f64();
         self.model_metrics.step(seconds, interval.batch);
-        self.with(|r| {
-            r.figures.steps += 1;
-            r.figures.rows_stepped += interval.batch as u64;
-            r.figures.tokens_processed += tokens as u64;
-            if r.steps.len() == STEP_LOG_CAPACITY {
-                r.steps.pop_front();
-            }
-            r.steps.push_back(interval);
-        });
+        self.with(|r| r.log_step(interval));
     }
 
     /// One request step here followed by a step on `to`; `committed`: its token was kept.
