@@ -215,6 +215,7 @@ impl Client {
             Client::Local(actor) => actor.do_send(msg),
             Client::Remote(remote) => remote.send(WireEvent::Request(RequestEvent::Token {
                 id: msg.token,
+                index: msg.index,
                 model: msg.model,
                 logprobs: msg.logprobs,
             })),
@@ -229,6 +230,7 @@ impl Client {
                 stats: msg.stats,
                 timing: msg.timing,
                 prompt_tokens: msg.prompt_tokens,
+                completion_tokens: msg.completion_tokens,
             })),
         }
     }
@@ -596,10 +598,12 @@ impl BusSide {
                 match event {
                     WireEvent::Request(RequestEvent::Token {
                         id,
+                        index,
                         model,
                         logprobs,
                     }) => actor.do_send(Committed {
                         token: id,
+                        index,
                         model,
                         logprobs,
                     }),
@@ -608,11 +612,13 @@ impl BusSide {
                         stats,
                         timing,
                         prompt_tokens,
+                        completion_tokens,
                     }) => actor.do_send(Finished {
                         reason,
                         stats,
                         timing,
                         prompt_tokens,
+                        completion_tokens,
                     }),
                     WireEvent::Request(RequestEvent::Failed { message, kind }) => {
                         actor.do_send(Failed { message, kind })

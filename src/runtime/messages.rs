@@ -43,6 +43,8 @@ pub(crate) struct ModelIdle {
 #[rtype(result = "()")]
 pub(crate) struct Committed {
     pub token: u32,
+    /// Its place in the completion (0 for the first generated token).
+    pub index: usize,
     pub model: ModelIdx,
     pub logprobs: Option<TokenLogprobs>,
 }
@@ -55,6 +57,8 @@ pub(crate) struct Finished {
     pub stats: RoutingStats,
     pub timing: EngineTiming,
     pub prompt_tokens: usize,
+    /// Tokens committed in all: the client waits for every one before the end.
+    pub completion_tokens: usize,
 }
 
 /// Model → request: the generation failed (engine error, crashed model, full KV).

@@ -104,12 +104,14 @@ impl ModelActor {
                 Effect::Commit {
                     client,
                     token,
+                    index,
                     logprobs,
                     policy,
                 } => {
                     self.recorder.committed(policy.name());
                     client.committed(Committed {
                         token,
+                        index,
                         model: self.idx,
                         logprobs,
                     });
@@ -120,11 +122,13 @@ impl ModelActor {
                     stats,
                     timing,
                     prompt_tokens,
+                    completion_tokens,
                 } => client.finished(Finished {
                     reason,
                     stats,
                     timing,
                     prompt_tokens,
+                    completion_tokens,
                 }),
                 Effect::Fail {
                     client,

@@ -3,7 +3,8 @@
 //! model and batcher drop the request.
 
 use super::core::{
-    EngineTiming, FailureKind, FinishReason, RequestId, RoutingStats, TokenLogprobs,
+    EngineTiming, FailureKind, FinishReason, Released, RequestId, RoutingStats, StreamOrder,
+    TokenLogprobs,
 };
 use super::link::{FrontendRequests, ModelLink};
 use super::live::LiveRequests;
@@ -20,6 +21,8 @@ use tokio::sync::mpsc::UnboundedSender;
 pub enum RequestEvent {
     Token {
         id: u32,
+        /// Its place in the completion (0 for the first generated token).
+        index: usize,
         model: ModelIdx,
         /// When the request asked for log-probabilities.
         logprobs: Option<TokenLogprobs>,
@@ -29,6 +32,7 @@ pub enum RequestEvent {
         stats: RoutingStats,
         timing: EngineTiming,
         prompt_tokens: usize,
+        completion_tokens: usize,
     },
     Failed {
         message: String,
@@ -50,6 +54,8 @@ pub(crate) struct RequestActor {
     metrics: RequestMetrics,
     submitted: Instant,
     last_token: Option<Instant>,
+    /// Tokens and the finish in completion order (across processes they can overtake).
+    order: StreamOrder<Committed, Finished>,
     /// How it ended; a request stopped by anything but finish, failure or deadline was
     /// cancelled.
     status: RequestStatus,
@@ -76,6 +82,7 @@ impl RequestActor {
             metrics: RequestMetrics::new(policy),
             submitted: Instant::now(),
             last_token: None,
+            order: StreamOrder::default(),
             status: RequestStatus::Cancelled,
         }
     }
@@ -138,23 +145,8 @@ impl Handler<Committed> for RequestActor {
     type Result = ();
 
     fn handle(&mut self, msg: Committed, ctx: &mut Context<Self>) {
-        let now = Instant::now();
-        match self.last_token {
-            None => self
-                .metrics
-                .first_token((now - self.submitted).as_secs_f64()),
-            Some(last) => self.metrics.inter_token((now - last).as_secs_f64()),
-        }
-        self.last_token = Some(now);
-        let event = RequestEvent::Token {
-            id: msg.token,
-            model: msg.model,
-            logprobs: msg.logprobs,
-        };
-        if self.events.send(event).is_err() {
-            // The client is gone: cancel.
-            ctx.stop();
-        }
+        let released = self.order.token(msg.index, msg);
+        self.release(released, ctx);
     }
 }
 
@@ -162,14 +154,60 @@ impl Handler<Finished> for RequestActor {
     type Result = ();
 
     fn handle(&mut self, msg: Finished, ctx: &mut Context<Self>) {
-        let _ = self.events.send(RequestEvent::Finished {
-            reason: msg.reason,
-            stats: msg.stats,
-            timing: msg.timing,
-            prompt_tokens: msg.prompt_tokens,
-        });
-        self.status = RequestStatus::Completed;
-        ctx.stop();
+        let released = self.order.end(msg.completion_tokens, msg);
+        self.release(released, ctx);
+        if self.order.waiting() {
+            ctx.run_later(STRAGGLER_WAIT, |act, ctx| {
+                if act.order.waiting() {
+                    let message = format!(
+                        "token {} of the completion never arrived from its model's host",
+                        act.order.next()
+                    );
+                    act.fail(FailureKind::Fault, message, ctx);
+                }
+            });
+        }
+    }
+}
+
+/// How long a finish waits for tokens that it overtook (they cross the bus in
+/// milliseconds; a host that died is detected by its heartbeats, not by this).
+const STRAGGLER_WAIT: Duration = Duration::from_secs(5);
+
+impl RequestActor {
+    /// Streams what the ordering lets through; the finish ends the request.
+    fn release(&mut self, released: Released<Committed, Finished>, ctx: &mut Context<Self>) {
+        for token in released.tokens {
+            let now = Instant::now();
+            match self.last_token {
+                None => self
+                    .metrics
+                    .first_token((now - self.submitted).as_secs_f64()),
+                Some(last) => self.metrics.inter_token((now - last).as_secs_f64()),
+            }
+            self.last_token = Some(now);
+            let event = RequestEvent::Token {
+                id: token.token,
+                index: token.index,
+                model: token.model,
+                logprobs: token.logprobs,
+            };
+            if self.events.send(event).is_err() {
+                // The client is gone: cancel.
+                return ctx.stop();
+            }
+        }
+        if let Some(end) = released.end {
+            let _ = self.events.send(RequestEvent::Finished {
+                reason: end.reason,
+                stats: end.stats,
+                timing: end.timing,
+                prompt_tokens: end.prompt_tokens,
+                completion_tokens: end.completion_tokens,
+            });
+            self.status = RequestStatus::Completed;
+            ctx.stop();
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever a payload's meaning changes.
-pub(crate) const WIRE_VERSION: u32 = 2;
+pub(crate) const WIRE_VERSION: u32 = 3;
 
 #[derive(Serialize, Deserialize)]
 struct Versioned<T> {

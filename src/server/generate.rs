@@ -309,6 +309,7 @@ impl Progress {
                 id,
                 model,
                 logprobs,
+                ..
             }) => {
                 if let Some(logprobs) = logprobs.filter(|_| !self.text.stopped()) {
                     self.logprobs

@@ -7,6 +7,7 @@
 mod gate;
 mod request;
 mod scheduler;
+mod stream_order;
 
 pub use gate::ReleaseReason;
 pub(crate) use gate::{BatchGate, GateDecision};
@@ -15,3 +16,4 @@ pub use request::{
 };
 pub(crate) use request::{InFlight, RequestParams, Sampled};
 pub(crate) use scheduler::{Effect, ModelScheduler, SchedulerCounters, StepPlan};
+pub(crate) use stream_order::{Released, StreamOrder};

@@ -102,6 +102,8 @@ pub(crate) enum Effect<C> {
     Commit {
         client: C,
         token: u32,
+        /// Its place in the completion.
+        index: usize,
         logprobs: Option<TokenLogprobs>,
         policy: SharedPolicy,
     },
@@ -112,6 +114,8 @@ pub(crate) enum Effect<C> {
         stats: RoutingStats,
         timing: EngineTiming,
         prompt_tokens: usize,
+        /// Tokens committed in all.
+        completion_tokens: usize,
     },
     /// The generation failed (its KV here is already freed).
     Fail {
@@ -636,6 +640,7 @@ impl<C: Clone> ModelScheduler<C> {
             effects.push(Effect::Commit {
                 client: r.client.clone(),
                 token,
+                index: r.state.generated().len() - 1,
                 logprobs: sampled.logprobs,
                 policy: r.params.policy.clone(),
             });
@@ -647,6 +652,7 @@ impl<C: Clone> ModelScheduler<C> {
             stats: r.stats.clone(),
             timing: r.timing,
             prompt_tokens: r.state.prompt_len,
+            completion_tokens: r.state.generated().len(),
         })
     }
 
