@@ -1,26 +1,81 @@
 // Integer-dot matmuls over the quantized weight formats, as the CPU path computes them:
-// activations are quantized to 8 bits per block of 32 (scale = amax / 127, round half to
-// even), and each weight block contributes d_w·d_x·Σ q_w q_x + offset_w · d_x·Σ q_x.
+// activations are quantized to 8 bits by the rule ggml pairs with each weight format
+// (`engine::qmatmul::activations`: per block of 32, d = amax / 127 kept as f16 and
+// q = round(x / d) half away from zero; Q8_1 adds s = f16(f16(sum q) * d); per superblock of
+// 256, Q8_K's d = 1 / (-127 / max) in f32), and each weight block contributes
+// d_w·d_x·sum(q_w q_x) + offset_w · s_x.
 // Weights are stored per output column: a column's quant bytes are contiguous, block scales
 // (and offsets: Q4_1's and Q5_1's minimum, Q4_0's -8·d, Q5_0's -16·d, a K-quant block's
 // -dmin·m) are f32 arrays `[n_out, blocks_per_row]`; fifth bits one u32 per block (bit j for
 // element j).
 
-// One warp per activation block of 32.
-extern "C" __global__ void quantize_q8(const float* x, signed char* quants, float* scales,
-                                       float* scaled_sums, int blocks) {
-    const int block = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+__device__ __forceinline__ float round_to_f16(float v) { return from_kv(to_kv(v)); }
+
+// Activation formats, as `ActivationFormat` numbers them.
+#define ACTIVATIONS_Q8_0 0
+#define ACTIVATIONS_Q8_1 1
+#define ACTIVATIONS_Q8_K 2
+
+// Q8_0 and Q8_1: one warp per activation block of 32.
+__device__ void quantize_block32(const float* x, signed char* quants, float* scales,
+                                 float* scaled_sums, int block, int format) {
     const int lane = threadIdx.x % 32;
-    if (block >= blocks) return;
     const float v = x[(long long)block * 32 + lane];
-    const float scale = warp_max(fabsf(v)) / 127.0f;
-    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-    const int q = (int)rintf(v * inverse);
+    const float d = warp_max(fabsf(v)) / 127.0f;
+    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = (int)roundf(v * inverse);
     quants[(long long)block * 32 + lane] = (signed char)q;
     const int sum = warp_sum_int(q);
     if (lane == 0) {
+        const float scale = round_to_f16(d);
         scales[block] = scale;
-        scaled_sums[block] = scale * (float)sum;
+        scaled_sums[block] = format == ACTIVATIONS_Q8_1
+                                 ? round_to_f16(round_to_f16((float)sum) * scale)
+                                 : scale * (float)sum;
+    }
+}
+
+// Q8_K: one warp per superblock of 256, lane l holding element l of each of its 8 blocks.
+// `max` is the first value of the largest magnitude, as ggml picks it.
+__device__ void quantize_superblock(const float* x, signed char* quants, float* scales,
+                                    float* scaled_sums, int superblock) {
+    const int lane = threadIdx.x % 32;
+    const long long first = (long long)superblock * 256;
+    float v[8], amax = 0.0f;
+    for (int b = 0; b < 8; b++) {
+        v[b] = x[first + b * 32 + lane];
+        amax = fmaxf(amax, fabsf(v[b]));
+    }
+    amax = warp_max(amax);
+    int at = 256;
+    for (int b = 7; b >= 0; b--)
+        if (fabsf(v[b]) == amax) at = b * 32 + lane;
+    for (int offset = 16; offset > 0; offset >>= 1)
+        at = min(at, __shfl_xor_sync(0xffffffffu, at, offset));
+    const float max = __shfl_sync(0xffffffffu, v[at / 32 < 8 ? at / 32 : 0], at % 32);
+    const float inverse = amax > 0.0f ? -127.0f / max : 0.0f;
+    const float d = amax > 0.0f ? 1.0f / inverse : 0.0f;
+    for (int b = 0; b < 8; b++) {
+        const int q = (int)fminf(fmaxf(roundf(inverse * v[b]), -128.0f), 127.0f);
+        quants[first + b * 32 + lane] = (signed char)q;
+        const int sum = warp_sum_int(q);
+        if (lane == 0) {
+            scales[superblock * 8 + b] = d;
+            scaled_sums[superblock * 8 + b] = d * (float)sum;
+        }
+    }
+}
+
+// One warp per unit: a block of 32 (Q8_0, Q8_1) or a superblock of 256 (Q8_K); `units`
+// counts them.
+extern "C" __global__ void quantize_q8(const float* x, signed char* quants, float* scales,
+                                       float* scaled_sums, int units, int format) {
+    const int unit = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (unit >= units) return;
+    if (format == ACTIVATIONS_Q8_K) {
+        quantize_superblock(x, quants, scales, scaled_sums, unit);
+    } else {
+        quantize_block32(x, quants, scales, scaled_sums, unit, format);
     }
 }
 

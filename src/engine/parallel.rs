@@ -23,6 +23,19 @@ where
     }
 }
 
+/// `items.iter_mut().for_each(f)`, at least `min_len` items per parallel task.
+pub fn for_each_mut<T, F>(items: &mut [T], min_len: usize, f: F)
+where
+    T: Send,
+    F: Fn(&mut T) + Sync + Send,
+{
+    if in_pool() {
+        items.par_iter_mut().with_min_len(min_len).for_each(f)
+    } else {
+        items.iter_mut().for_each(f)
+    }
+}
+
 /// Fills row-major outputs (`outs[i]` is `[rows, n_out_i]`) by column ranges of at most
 /// `cols_per_task`, all outputs' ranges in one parallel region: `f(i, columns, buffer)` writes
 /// output `i`'s range row-major (`[rows, columns]`) into a task-local `buffer` (its writes

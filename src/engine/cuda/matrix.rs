@@ -1,13 +1,14 @@
 //! Weight matrices on the GPU. The CPU's integer-kernel formats (Q8_0, Q4_0, Q4_1, Q5_0,
 //! Q5_1, Q4_K, Q5_K) stay in blocks of 32 (the CPU path's repacking: quants per output
 //! column, f32 scales and offsets beside them; a K-quant block's are d · sc and −dmin · m)
-//! and run through the integer-dot kernels on 8-bit activations, as on the CPU; bf16 matrices
+//! and run through the integer-dot kernels on 8-bit activations quantized by the CPU's rule
+//! for each format (`ActivationFormat`); bf16 matrices
 //! stay bf16 and run cuBLAS's tensor-core GEMM on activations rounded to bf16 (f32 sums and
 //! output); every other format is dequantized to f32 at load and multiplied by cuBLAS sgemm.
 
 use super::gpu_error;
 use super::launch::Gpu;
-use crate::engine::qmatmul::{Int8Format, QWeight};
+use crate::engine::qmatmul::{ActivationFormat, Int8Format, QWeight};
 use crate::error::{EngineError, EngineResult};
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
@@ -40,6 +41,8 @@ pub struct DeviceMatrix {
     n_out: usize,
     k_in: usize,
     weights: Weights,
+    /// How the integer kernels' activations are quantized; `None` for dense weights.
+    activations: Option<ActivationFormat>,
 }
 
 /// Activation rows quantized on the device (see `kernels/quant.cu`), `[rows, k / 32]` blocks.
@@ -55,6 +58,7 @@ impl DeviceMatrix {
         let integer = weight
             .packed_int8()
             .filter(|p| !p.format().has_split_scales());
+        let activations = integer.map(|p| p.format().activation_format());
         let weights = match integer {
             Some(packed) => {
                 let (scales, offsets) = packed.scales_and_offsets();
@@ -88,6 +92,7 @@ impl DeviceMatrix {
             n_out: weight.n_out(),
             k_in: weight.k_in(),
             weights,
+            activations,
         })
     }
 
@@ -97,7 +102,7 @@ impl DeviceMatrix {
     }
 
     /// `x [rows, k_in]` × Wᵢᵀ for matrices sharing one input (q/k/v; gate/up): the input is
-    /// quantized once for all of them.
+    /// quantized once per activation format among them.
     pub fn matmul_each<const N: usize>(
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
@@ -106,13 +111,19 @@ impl DeviceMatrix {
         rows: usize,
     ) -> EngineResult<[CudaSlice<f32>; N]> {
         let k_in = matrices[0].k_in;
-        let quantized = match matrices.iter().any(|m| !m.is_dense()) {
-            true => Some(quantize(gpu, x, rows, k_in)?),
-            false => None,
-        };
+        let mut quantized: Vec<(ActivationFormat, QuantizedActivations)> = Vec::new();
+        for format in matrices.iter().filter_map(|m| m.activations) {
+            if quantized.iter().all(|(f, _)| *f != format) {
+                quantized.push((format, quantize(gpu, x, rows, k_in, format)?));
+            }
+        }
         let mut outs = Vec::with_capacity(N);
         for m in matrices {
-            outs.push(m.apply(gpu, blas, x, quantized.as_ref(), rows)?);
+            let input = quantized
+                .iter()
+                .find(|(f, _)| Some(*f) == m.activations)
+                .map(|(_, q)| q);
+            outs.push(m.apply(gpu, blas, x, input, rows)?);
         }
         Ok(outs
             .try_into()
@@ -257,22 +268,30 @@ fn quantize(
     x: &CudaSlice<f32>,
     rows: usize,
     k_in: usize,
+    format: ActivationFormat,
 ) -> EngineResult<QuantizedActivations> {
     let blocks = rows * k_in / BLOCK;
+    // The kernel's numbering (`kernels/quant.cu`) and its unit: a block, or a superblock.
+    let (format_arg, units) = match format {
+        ActivationFormat::Q8_0 => (0i32, blocks),
+        ActivationFormat::Q8_1 => (1, blocks),
+        ActivationFormat::Q8K => (2, blocks / 8),
+    };
     let mut out = QuantizedActivations {
         quants: gpu.zeros::<i8>(rows * k_in)?,
         scales: gpu.zeros::<f32>(blocks)?,
         scaled_sums: gpu.zeros::<f32>(blocks)?,
     };
-    let blocks_arg = blocks as i32;
+    let units_arg = units as i32;
     let mut launch = gpu.stream.launch_builder(&gpu.kernels.quantize_q8);
     launch
         .arg(x)
         .arg(&mut out.quants)
         .arg(&mut out.scales)
         .arg(&mut out.scaled_sums)
-        .arg(&blocks_arg);
-    // SAFETY: x holds `blocks` whole blocks of 32.
-    unsafe { launch.launch(Gpu::warps(blocks, 1)) }.map_err(gpu_error)?;
+        .arg(&units_arg)
+        .arg(&format_arg);
+    // SAFETY: x holds `blocks` whole blocks of 32 (K-quant rows are whole superblocks).
+    unsafe { launch.launch(Gpu::warps(units, 1)) }.map_err(gpu_error)?;
     Ok(out)
 }

@@ -5,7 +5,7 @@
 //! reads the weights once rather than B times. Every row keeps its own accumulators and the
 //! same operation sequence whatever its tile, so results never depend on batch-mates.
 
-use super::activations::QuantizedRows;
+use super::activations::{ActivationFormat, QuantizedRows};
 use super::layout::{groups, stored_blocks, Group, BLOCK};
 #[cfg(target_arch = "x86_64")]
 use super::simd::{avx2, vnni};
@@ -70,6 +70,15 @@ impl Int8Format {
     /// Elements per block in a GGUF file: 32, or 256 for the K-quants' superblocks.
     pub fn file_block_elements(self) -> usize {
         self.dtype().block_size()
+    }
+
+    /// How activations are quantized against this format (ggml's `vec_dot_type`).
+    pub fn activation_format(self) -> ActivationFormat {
+        match self {
+            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 => ActivationFormat::Q8_0,
+            Self::Q4_1 | Self::Q5_1 => ActivationFormat::Q8_1,
+            Self::Q4K | Self::Q5K | Self::Q6K => ActivationFormat::Q8K,
+        }
     }
 
     /// Whether a block's offset is stored (a minimum) rather than a multiple of its scale.
@@ -760,7 +769,8 @@ pub fn columns(
     }
 }
 
-/// Σ_b scale_b · scale_x · (quants_b · row_b) + offset_b · scale_x · Σq_x, block by block.
+/// Σ_b scale_b · scale_x · (quants_b · row_b) + offset_b · (the row block's sum), block by
+/// block.
 fn dot_portable(column: &Column, x: &QuantizedRows, row: usize) -> f32 {
     let mut acc = 0f32;
     for &group in x.groups() {
@@ -779,14 +789,13 @@ fn dot_portable(column: &Column, x: &QuantizedRows, row: usize) -> f32 {
                 }
                 continue;
             }
-            let (mut dot, mut sum) = (0i32, 0i32);
-            for e in 0..BLOCK {
-                let q = x.quant(row, group, j, e) as i32;
-                dot += column.quant(group, group.position(j, e)) * q;
-                sum += q;
-            }
+            let dot: i32 = (0..BLOCK)
+                .map(|e| {
+                    column.quant(group, group.position(j, e)) * x.quant(row, group, j, e) as i32
+                })
+                .sum();
             acc += dot as f32 * (column.scale(b) * scale_x);
-            acc += column.offset(b) * (scale_x * sum as f32);
+            acc += column.offset(b) * x.block_sum(row, b);
         }
     }
     acc

@@ -17,6 +17,8 @@ mod simd;
 use super::parallel;
 use crate::config::WeightPrecision;
 use crate::error::{EngineError, EngineResult};
+pub use activations::ActivationFormat;
+use activations::QuantizedRows;
 use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
@@ -205,7 +207,8 @@ impl QWeight {
     }
 
     /// `x × Wᵢᵀ` for several weights reading one input (q/k/v; gate/up) on `kernel`: the
-    /// input is quantized once and all their columns run in one parallel region.
+    /// input is quantized once per activation format and all their columns run in one
+    /// parallel region.
     pub fn matmul_each_with<const N: usize>(
         kernel: Kernel,
         weights: [&Self; N],
@@ -227,9 +230,24 @@ impl QWeight {
         let dense: Option<Vec<&DenseMatrix>> = weights.iter().map(|w| w.dense()).collect();
         match (int8, dense) {
             (Some(int8), _) => {
-                let x = activations::QuantizedRows::quantize(x, rows);
+                // Once per activation format the weights pair with (a mix, e.g. Q8_0 beside
+                // Q5_0 or Q5_1, reads one input two ways).
+                let mut quantized: Vec<(ActivationFormat, QuantizedRows)> = Vec::new();
+                for w in &int8 {
+                    let format = w.format().activation_format();
+                    if quantized.iter().all(|(f, _)| *f != format) {
+                        quantized.push((format, QuantizedRows::quantize(x, rows, format)));
+                    }
+                }
+                let inputs: Vec<&QuantizedRows> = int8
+                    .iter()
+                    .map(|w| {
+                        let format = w.format().activation_format();
+                        &quantized.iter().find(|(f, _)| *f == format).unwrap().1
+                    })
+                    .collect();
                 parallel::fill_columns(&mut outs, rows, cols_per_task, |i, columns, buffer| {
-                    int8::columns(kernel, int8[i], &x, columns.start, buffer)
+                    int8::columns(kernel, int8[i], inputs[i], columns.start, buffer)
                 });
             }
             (_, Some(dense)) => {
@@ -385,6 +403,49 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Activations quantized by the rule candle (and ggml) pair with each format make every
+    /// kernel's integer sums candle's: outputs agree to float rounding, where one quant off
+    /// by one step would move an output by ~1e-3 (the largest gap seen is ~3e-6).
+    #[test]
+    fn integer_kernels_compute_candles_quantized_matmul() {
+        use candle_core::Module;
+        for (n, k, rows) in [
+            (7, 768, 3),
+            (5, 256, 9),
+            (4, 1536, 2),
+            (3, 64, 5),
+            (2, 448, 3),
+        ] {
+            let x = random(rows * k, 21 + k as u64);
+            let input = Tensor::from_vec(x.clone(), (rows, k), &Device::Cpu).unwrap();
+            for dtype in INT8_FORMATS {
+                if !k.is_multiple_of(dtype.block_size()) {
+                    continue;
+                }
+                let dense = Tensor::from_vec(random(n * k, 23), (n, k), &Device::Cpu).unwrap();
+                let quantize = || QTensor::quantize(&dense, dtype).unwrap();
+                let candle = candle_core::quantized::QMatMul::from_qtensor(quantize()).unwrap();
+                let want: Vec<f32> = candle
+                    .forward(&input)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let w = QWeight::from_qtensor("w", &quantize()).unwrap();
+                for kernel in Kernel::available() {
+                    let got = w.matmul_with(kernel, &x, rows);
+                    let worst = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(worst < 2e-5, "{dtype:?} {kernel:?} k={k}: {worst}");
                 }
             }
         }
