@@ -9,6 +9,7 @@ use super::parallel;
 use super::qmatmul::{Kernel, QWeight};
 use super::weights::{Hyperparams, LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
+use std::ops::Range;
 
 pub struct LlamaModel {
     pub weights: ModelWeights,
@@ -32,6 +33,11 @@ pub struct Segment {
     pub rows: usize,
     pub first_position: usize,
 }
+
+/// Runs a prompt's rows are cut into for attention (later rows attend to more positions, so
+/// several runs per thread let the pool balance them), each of at least `MIN_ROWS_PER_RUN`.
+const ROW_RUNS_PER_PROMPT: usize = 8;
+const MIN_ROWS_PER_RUN: usize = 16;
 
 /// Where a step's rows go: per row its position; per sequence its rows and KV blocks.
 struct StepShape {
@@ -286,19 +292,29 @@ impl LlamaModel {
         let q_dim = heads * hd;
         let kv_dim = self.kv_dim();
         let scale = 1.0 / (hd as f32).sqrt();
-        let tasks: Vec<(usize, usize)> = (0..segments.len())
-            .flat_map(|s| (0..hp.kv_heads).map(move |kv_head| (s, kv_head)))
+        // A task is one KV head over a run of one sequence's rows: a long prompt's rows are
+        // split, so its few KV heads (3 here) still spread evenly over the threads.
+        let tasks: Vec<(usize, usize, Range<usize>)> = segments
+            .iter()
+            .enumerate()
+            .flat_map(|(s, seg)| {
+                let run = seg.rows.div_ceil(ROW_RUNS_PER_PROMPT).max(MIN_ROWS_PER_RUN);
+                (0..seg.rows.div_ceil(run)).flat_map(move |r| {
+                    let rows = r * run..((r + 1) * run).min(seg.rows);
+                    (0..hp.kv_heads).map(move |kv_head| (s, kv_head, rows.clone()))
+                })
+            })
             .collect();
         // Per task `[rows, group, hd]`.
         let per_task: Vec<Vec<f32>> = parallel::map_indices(tasks.len(), |task| {
-            let (s, kv_head) = tasks[task];
+            let (s, kv_head, ref rows) = tasks[task];
             let seg = &segments[s];
             let table = &tables[s];
             let kv_off = kv_head * hd;
             let first_head = kv_head * group;
-            let mut out = vec![0f32; seg.rows * group * hd];
-            let mut scores = vec![0f32; seg.first_position + seg.rows];
-            for i in 0..seg.rows {
+            let mut out = vec![0f32; rows.len() * group * hd];
+            let mut scores = vec![0f32; seg.first_position + rows.end];
+            for (k, i) in rows.clone().enumerate() {
                 let row = seg.first_row + i;
                 let scores = &mut scores[..seg.first_position + i + 1];
                 for g in 0..group {
@@ -309,7 +325,7 @@ impl LlamaModel {
                         ops::scaled_dots(query, keys, (kv_dim, kv_off), scale, part);
                     }
                     ops::softmax_in_place(scores);
-                    let head_out = &mut out[(i * group + g) * hd..(i * group + g + 1) * hd];
+                    let head_out = &mut out[(k * group + g) * hd..(k * group + g + 1) * hd];
                     for (&block, part) in table.iter().zip(scores.chunks(BLOCK_TOKENS)) {
                         let values = data.values(block, layer_idx);
                         ops::add_weighted_rows(part, values, (kv_dim, kv_off), head_out);
@@ -320,11 +336,11 @@ impl LlamaModel {
         });
         let rows: usize = segments.iter().map(|s| s.rows).sum();
         let mut attn = vec![0f32; rows * q_dim];
-        for (&(s, kv_head), out) in tasks.iter().zip(per_task) {
+        for ((s, kv_head, rows), out) in tasks.iter().zip(per_task) {
             let row_span = group * hd;
             let first = kv_head * row_span;
-            for (i, o) in out.chunks(row_span).enumerate() {
-                let row = segments[s].first_row + i;
+            for (i, o) in rows.clone().zip(out.chunks(row_span)) {
+                let row = segments[*s].first_row + i;
                 attn[row * q_dim + first..row * q_dim + first + row_span].copy_from_slice(o);
             }
         }
