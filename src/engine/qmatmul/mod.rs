@@ -451,6 +451,27 @@ mod tests {
         }
     }
 
+    /// Matrices that read one input in different activation formats (Q5_1 beside Q8_0, as
+    /// llama.cpp's Q5_K_M preset writes q/k/v; a K-quant beside both) each get their own
+    /// quantization: the shared call equals each matrix alone.
+    #[test]
+    fn one_input_read_in_several_activation_formats() {
+        let (k, rows) = (512, 5);
+        let x = random(rows * k, 29);
+        let weights = [GgmlDType::Q5_1, GgmlDType::Q8_0, GgmlDType::Q4K].map(|d| weight(d, 6, k).0);
+        for kernel in Kernel::available() {
+            let together = QWeight::matmul_each_with(
+                kernel,
+                [&weights[0], &weights[1], &weights[2]],
+                &x,
+                rows,
+            );
+            for (w, got) in weights.iter().zip(&together) {
+                assert_eq!(got, &w.matmul_with(kernel, &x, rows), "{:?}", w.dtype());
+            }
+        }
+    }
+
     /// The SIMD kernels do the portable kernels' integer arithmetic: they differ only in the
     /// order f32 partial sums are added.
     #[test]
