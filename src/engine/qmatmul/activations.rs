@@ -243,14 +243,18 @@ struct QuantizedBlock {
 /// Q8_K: one f32 scale for the superblock's eight blocks (`max` keeps its sign, so the
 /// largest magnitude maps to −127 exactly and nothing is clamped).
 fn quantize_superblock(x: &[f32; SUPERBLOCK]) -> [QuantizedBlock; 8] {
-    let (mut max, mut amax) = (0f32, 0f32);
-    for &v in x {
-        if amax < v.abs() {
-            (amax, max) = (v.abs(), v);
-        }
-    }
+    // The largest magnitude by blocks (vectorised), then its first value in order, as
+    // ggml's scan picks it.
+    let amax = x
+        .chunks_exact(BLOCK)
+        .map(|b| block_max(b.try_into().expect("a whole block")))
+        .fold(0f32, f32::max);
+    let max = match amax > 0.0 {
+        true => x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0),
+        false => 0.0,
+    };
     // ggml keeps d = 1 / inverse, which can differ from max / −127 in the last bit.
-    let (scale, inverse) = match amax > 0.0 {
+    let (scale, inverse) = match max != 0.0 {
         true => (1.0 / (-127.0 / max), -127.0 / max),
         false => (0.0, 0.0),
     };
