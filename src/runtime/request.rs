@@ -61,6 +61,10 @@ pub(crate) struct RequestActor {
     status: RequestStatus,
 }
 
+/// How long a finish waits for tokens that it overtook (they cross the bus in
+/// milliseconds; a host that died is detected by its heartbeats, not by this).
+const STRAGGLER_WAIT: Duration = Duration::from_secs(5);
+
 impl RequestActor {
     pub fn new(
         rid: RequestId,
@@ -97,6 +101,41 @@ impl RequestActor {
         tracing::debug!(parent: &self.span, ?kind, %message, "failed");
         let _ = self.events.send(RequestEvent::Failed { message, kind });
         ctx.stop();
+    }
+
+    /// Streams what the ordering lets through; the finish ends the request.
+    fn release(&mut self, released: Released<Committed, Finished>, ctx: &mut Context<Self>) {
+        for token in released.tokens {
+            let now = Instant::now();
+            match self.last_token {
+                None => self
+                    .metrics
+                    .first_token((now - self.submitted).as_secs_f64()),
+                Some(last) => self.metrics.inter_token((now - last).as_secs_f64()),
+            }
+            self.last_token = Some(now);
+            let event = RequestEvent::Token {
+                id: token.token,
+                index: token.index,
+                model: token.model,
+                logprobs: token.logprobs,
+            };
+            if self.events.send(event).is_err() {
+                // The client is gone: cancel.
+                return ctx.stop();
+            }
+        }
+        if let Some(end) = released.end {
+            let _ = self.events.send(RequestEvent::Finished {
+                reason: end.reason,
+                stats: end.stats,
+                timing: end.timing,
+                prompt_tokens: end.prompt_tokens,
+                completion_tokens: end.completion_tokens,
+            });
+            self.status = RequestStatus::Completed;
+            ctx.stop();
+        }
     }
 }
 
@@ -166,47 +205,6 @@ impl Handler<Finished> for RequestActor {
                     act.fail(FailureKind::Fault, message, ctx);
                 }
             });
-        }
-    }
-}
-
-/// How long a finish waits for tokens that it overtook (they cross the bus in
-/// milliseconds; a host that died is detected by its heartbeats, not by this).
-const STRAGGLER_WAIT: Duration = Duration::from_secs(5);
-
-impl RequestActor {
-    /// Streams what the ordering lets through; the finish ends the request.
-    fn release(&mut self, released: Released<Committed, Finished>, ctx: &mut Context<Self>) {
-        for token in released.tokens {
-            let now = Instant::now();
-            match self.last_token {
-                None => self
-                    .metrics
-                    .first_token((now - self.submitted).as_secs_f64()),
-                Some(last) => self.metrics.inter_token((now - last).as_secs_f64()),
-            }
-            self.last_token = Some(now);
-            let event = RequestEvent::Token {
-                id: token.token,
-                index: token.index,
-                model: token.model,
-                logprobs: token.logprobs,
-            };
-            if self.events.send(event).is_err() {
-                // The client is gone: cancel.
-                return ctx.stop();
-            }
-        }
-        if let Some(end) = released.end {
-            let _ = self.events.send(RequestEvent::Finished {
-                reason: end.reason,
-                stats: end.stats,
-                timing: end.timing,
-                prompt_tokens: end.prompt_tokens,
-                completion_tokens: end.completion_tokens,
-            });
-            self.status = RequestStatus::Completed;
-            ctx.stop();
         }
     }
 }

@@ -202,10 +202,6 @@ impl RowOut<'_> {
                 let first_lane = group.index * 16 + j * lanes_per_block;
                 let lanes = first_lane..first_lane + lanes_per_block;
                 self.lane_scales[lanes.clone()].fill(block.scale);
-                let mut block_lane_sums = [0i32; BLOCK / 4];
-                for (c, sum) in block.chunk_sums.iter().enumerate() {
-                    block_lane_sums[c & (lanes_per_block - 1)] += sum;
-                }
                 let total: i32 = block.chunk_sums.iter().sum();
                 self.sums[b] = match format {
                     ActivationFormat::Q8_1 => {
@@ -215,6 +211,10 @@ impl RowOut<'_> {
                         s
                     }
                     ActivationFormat::Q8_0 | ActivationFormat::Q8K => {
+                        let mut block_lane_sums = [0i32; BLOCK / 4];
+                        for (c, sum) in block.chunk_sums.iter().enumerate() {
+                            block_lane_sums[c & (lanes_per_block - 1)] += sum;
+                        }
                         for (lane, sum) in self.lane_sums[lanes].iter_mut().zip(block_lane_sums) {
                             *lane = block.scale * sum as f32;
                         }
