@@ -9,6 +9,7 @@ use super::parallel;
 use super::qmatmul::{Kernel, QWeight};
 use super::weights::{Hyperparams, LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
+use half::f16;
 use std::ops::Range;
 
 pub struct LlamaModel {
@@ -313,23 +314,27 @@ impl LlamaModel {
             let kv_off = kv_head * hd;
             let first_head = kv_head * group;
             let mut out = vec![0f32; rows.len() * group * hd];
-            let mut scores = vec![0f32; seg.first_position + rows.end];
+            // This KV head's rows, widened once for every query of the task.
+            let positions = seg.first_position + rows.end;
+            let widen = |plane: fn(&KvBlocks, BlockId, usize) -> &[f16]| {
+                let mut rows = vec![0f32; positions * hd];
+                for (&block, part) in table.iter().zip(rows.chunks_mut(BLOCK_TOKENS * hd)) {
+                    ops::widen_rows(plane(data, block, layer_idx), (kv_dim, kv_off), hd, part);
+                }
+                rows
+            };
+            let (keys, values) = (widen(KvBlocks::keys), widen(KvBlocks::values));
+            let mut scores = vec![0f32; positions];
             for (k, i) in rows.clone().enumerate() {
                 let row = seg.first_row + i;
                 let scores = &mut scores[..seg.first_position + i + 1];
                 for g in 0..group {
                     let start = row * q_dim + (first_head + g) * hd;
                     let query = &q[start..start + hd];
-                    for (&block, part) in table.iter().zip(scores.chunks_mut(BLOCK_TOKENS)) {
-                        let keys = data.keys(block, layer_idx);
-                        ops::scaled_dots(query, keys, (kv_dim, kv_off), scale, part);
-                    }
+                    ops::scaled_dots(query, &keys, scale, scores);
                     ops::softmax_in_place(scores);
                     let head_out = &mut out[(k * group + g) * hd..(k * group + g + 1) * hd];
-                    for (&block, part) in table.iter().zip(scores.chunks(BLOCK_TOKENS)) {
-                        let values = data.values(block, layer_idx);
-                        ops::add_weighted_rows(part, values, (kv_dim, kv_off), head_out);
-                    }
+                    ops::add_weighted_rows(scores, &values, head_out);
                 }
             }
             out
