@@ -2,6 +2,7 @@
 //! through each weight matmul together (`[rows, hidden] × Wᵀ`); attention runs per sequence
 //! over its own KV. Sequences at different lengths share a step without padding.
 
+use super::attention::{HeadRows, Vectors};
 use super::kv::{BlockId, KvStore, SeqId, BLOCK_TOKENS};
 use super::kv_blocks::KvBlocks;
 use super::ops;
@@ -9,7 +10,6 @@ use super::parallel;
 use super::qmatmul::{Kernel, QWeight};
 use super::weights::{Hyperparams, LayerWeights, ModelWeights};
 use crate::error::{EngineError, EngineResult};
-use half::f16;
 use std::ops::Range;
 
 pub struct LlamaModel {
@@ -18,6 +18,8 @@ pub struct LlamaModel {
     inv_freq: Vec<f32>,
     /// The integer matmul kernel; the fastest this CPU has unless chosen.
     pub kernel: Kernel,
+    /// Attention's registers (its floats are the same on every set), the widest here.
+    vectors: Vectors,
 }
 
 /// The last position of one sequence after a step.
@@ -126,6 +128,7 @@ impl LlamaModel {
             weights,
             inv_freq,
             kernel: Kernel::detect(),
+            vectors: Vectors::detect(),
         }
     }
 
@@ -275,10 +278,10 @@ impl LlamaModel {
         }
     }
 
-    /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`,
-    /// block by block of its table. One task per (sequence, KV head) serves that KV head's
-    /// whole query group, so each key and value row is read once per group; per head the
-    /// arithmetic is the same as alone.
+    /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`.
+    /// A task (sequence, KV head, run of rows) widens that KV head's rows once and serves its
+    /// whole query group from them (`attention::HeadRows`); per head the arithmetic is the
+    /// same as alone.
     fn attention(
         &self,
         layer_idx: usize,
@@ -293,6 +296,7 @@ impl LlamaModel {
         let q_dim = heads * hd;
         let kv_dim = self.kv_dim();
         let scale = 1.0 / (hd as f32).sqrt();
+        let vectors = self.vectors;
         // A task is one KV head over a run of one sequence's rows: a long prompt's rows are
         // split, so its few KV heads (3 here) still spread evenly over the threads.
         let tasks: Vec<(usize, usize, Range<usize>)> = segments
@@ -314,28 +318,18 @@ impl LlamaModel {
             let kv_off = kv_head * hd;
             let first_head = kv_head * group;
             let mut out = vec![0f32; rows.len() * group * hd];
-            // This KV head's rows, widened once for every query of the task.
-            let positions = seg.first_position + rows.end;
-            let widen = |plane: fn(&KvBlocks, BlockId, usize) -> &[f16]| {
-                let mut rows = vec![0f32; positions * hd];
-                for (&block, part) in table.iter().zip(rows.chunks_mut(BLOCK_TOKENS * hd)) {
-                    ops::widen_rows(plane(data, block, layer_idx), (kv_dim, kv_off), hd, part);
-                }
-                rows
-            };
-            let (keys, values) = (widen(KvBlocks::keys), widen(KvBlocks::values));
-            let mut scores = vec![0f32; positions];
-            for (k, i) in rows.clone().enumerate() {
-                let row = seg.first_row + i;
-                let scores = &mut scores[..seg.first_position + i + 1];
-                for g in 0..group {
-                    let start = row * q_dim + (first_head + g) * hd;
-                    let query = &q[start..start + hd];
-                    ops::scaled_dots(query, &keys, scale, scores);
-                    ops::softmax_in_place(scores);
-                    let head_out = &mut out[(k * group + g) * hd..(k * group + g + 1) * hd];
-                    ops::add_weighted_rows(scores, &values, head_out);
-                }
+            let head_rows = HeadRows::widen(
+                table
+                    .iter()
+                    .map(|&b| (data.keys(b, layer_idx), data.values(b, layer_idx))),
+                (kv_dim, kv_off),
+                hd,
+                seg.first_position + rows.end,
+            );
+            for (i, out) in rows.clone().zip(out.chunks_exact_mut(group * hd)) {
+                let start = (seg.first_row + i) * q_dim + first_head * hd;
+                let queries = &q[start..start + group * hd];
+                head_rows.attend(vectors, queries, seg.first_position + i + 1, scale, out);
             }
             out
         });

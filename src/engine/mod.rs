@@ -1,6 +1,7 @@
 //! Model math, synchronous and actor-free: an `Executor` owns one model's weights, KV cache and
 //! thread pool and runs ragged batched steps.
 
+pub(crate) mod attention;
 pub mod chat;
 #[cfg(feature = "cuda")]
 pub mod cuda;

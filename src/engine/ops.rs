@@ -1,8 +1,6 @@
-//! Small numeric kernels on f32 slices (and the f16 KV cache's rows). Each reduces in a fixed
+//! Small numeric kernels on f32 slices. Each reduces in a fixed
 //! order (eight lanes, then the lanes by `sum_lanes`' tree), so results depend only on the
 //! inputs, never on batching or threads.
-
-use half::{f16, slice::HalfFloatSliceExt};
 
 /// Dot product with eight independent fused multiply-add accumulators, reduced by
 /// `sum_lanes` (deterministic).
@@ -49,70 +47,6 @@ fn sum_lanes(l: [f32; 8]) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
-/// Rows `[rows, len]` of an f16 matrix (row j at `matrix[j · stride + offset..]`, one KV
-/// head's rows of a cache block) widened into `out` (exact). Attention widens each KV row
-/// once for all the queries that read it.
-pub fn widen_rows(matrix: &[f16], (stride, offset): (usize, usize), len: usize, out: &mut [f32]) {
-    for (j, row) in out.chunks_exact_mut(len).enumerate() {
-        matrix[j * stride + offset..j * stride + offset + len].convert_to_f32_slice(row);
-    }
-}
-
-/// `scores[j] = scale · (query · row_j)` with row j at `keys[j · len..]`, `len` the query's
-/// length. Each score is exactly `scale * dot(query, row_j)`.
-pub fn scaled_dots(query: &[f32], keys: &[f32], scale: f32, scores: &mut [f32]) {
-    let len = query.len();
-    assert!(keys.len() >= scores.len() * len);
-    let row = |j: usize| &keys[j * len..(j + 1) * len];
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
-    let done = match len {
-        64 => simd::scaled_dots8::<64>(query, keys, scale, scores),
-        128 => simd::scaled_dots8::<128>(query, keys, scale, scores),
-        _ => 0,
-    };
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    )))]
-    let done = 0;
-    for (j, score) in scores.iter_mut().enumerate().skip(done) {
-        *score = dot(query, row(j)) * scale;
-    }
-}
-
-/// `out += Σ_j weights[j] · row_j` with row j at `values[j · out.len()..]`; each element
-/// accumulates over j in order with fused multiply-adds.
-pub fn add_weighted_rows(weights: &[f32], values: &[f32], out: &mut [f32]) {
-    let len = out.len();
-    assert!(values.len() >= weights.len() * len);
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
-    {
-        if len.is_multiple_of(64) {
-            return simd::add_weighted_rows::<8>(weights, values, out);
-        }
-        if len.is_multiple_of(32) {
-            return simd::add_weighted_rows::<4>(weights, values, out);
-        }
-    }
-    for (&w, row) in weights.iter().zip(values.chunks_exact(len)) {
-        for (o, v) in out.iter_mut().zip(row) {
-            *o = w.mul_add(*v, *o);
-        }
-    }
-}
-
 /// LLVM vectorises the portable loops two lanes wide or through memory; these keep whole
 /// 8-lane registers (same operations per element, so the same results).
 #[cfg(all(
@@ -131,50 +65,8 @@ mod simd {
         super::sum_lanes(lanes)
     }
 
-    /// `super::scaled_dots` for head size `LEN`, eight rows at a time (eight independent
-    /// chains keep both FMA pipes busy, every load a constant offset from one pointer);
-    /// returns how many leading scores it wrote (whole eights), each `dot_lanes`' lanes reduced
-    /// by a `hadd` transpose in `sum_lanes`' order, then scaled.
-    pub fn scaled_dots8<const LEN: usize>(
-        query: &[f32],
-        keys: &[f32],
-        scale: f32,
-        scores: &mut [f32],
-    ) -> usize {
-        let whole = scores.len() / 8 * 8;
-        assert!(query.len() == LEN && LEN.is_multiple_of(8) && keys.len() >= whole * LEN);
-        // SAFETY: AVX2 + FMA are enabled at build time; loads read 8 floats inside `query`
-        // or rows below `whole` of `keys` (asserted); stores write 8 scores below `whole`.
-        unsafe {
-            let scale = _mm256_set1_ps(scale);
-            for first in (0..whole).step_by(8) {
-                let rows = keys.as_ptr().add(first * LEN);
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for c in (0..LEN).step_by(8) {
-                    let q = _mm256_loadu_ps(query.as_ptr().add(c));
-                    for (k, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(rows.add(k * LEN + c)), *acc);
-                    }
-                }
-                // Pairs (0+1), (2+3), then quads, per row; then the two 128-bit halves.
-                let pairs: [__m256; 4] =
-                    std::array::from_fn(|k| _mm256_hadd_ps(acc[2 * k], acc[2 * k + 1]));
-                let quads = [
-                    _mm256_hadd_ps(pairs[0], pairs[1]),
-                    _mm256_hadd_ps(pairs[2], pairs[3]),
-                ];
-                let sums = _mm256_add_ps(
-                    _mm256_permute2f128_ps(quads[0], quads[1], 0x20),
-                    _mm256_permute2f128_ps(quads[0], quads[1], 0x31),
-                );
-                _mm256_storeu_ps(scores.as_mut_ptr().add(first), _mm256_mul_ps(sums, scale));
-            }
-        }
-        whole
-    }
-
     pub fn dot_lanes(a: &[[f32; 8]], b: &[[f32; 8]]) -> f32 {
-        // SAFETY: as in `dots8`; loads read whole `[f32; 8]`s.
+        // SAFETY: AVX2 + FMA are enabled at build time; loads read whole `[f32; 8]`s.
         unsafe {
             let mut acc = _mm256_setzero_ps();
             for (x, y) in a.iter().zip(b) {
@@ -182,30 +74,6 @@ mod simd {
                 acc = _mm256_fmadd_ps(x, y, acc);
             }
             sum_register(acc)
-        }
-    }
-
-    /// `8 · R` columns at a time in `R` registers, over all rows (`R` chains in flight).
-    pub fn add_weighted_rows<const R: usize>(weights: &[f32], values: &[f32], out: &mut [f32]) {
-        let len = out.len();
-        assert!(len.is_multiple_of(8 * R) && values.len() >= weights.len() * len);
-        // SAFETY: AVX2 + FMA at build time; rows 0..weights.len() lie inside `values`
-        // (asserted) and columns stay below `len`.
-        unsafe {
-            for c in (0..len).step_by(8 * R) {
-                let o = out.as_mut_ptr().add(c);
-                let mut acc: [__m256; R] = std::array::from_fn(|k| _mm256_loadu_ps(o.add(8 * k)));
-                for (j, &w) in weights.iter().enumerate() {
-                    let row = values.as_ptr().add(j * len + c);
-                    let w = _mm256_set1_ps(w);
-                    for (k, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * k)), *acc);
-                    }
-                }
-                for (k, acc) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(o.add(8 * k), *acc);
-                }
-            }
         }
     }
 
@@ -457,40 +325,6 @@ mod tests {
         let b: Vec<f32> = (0..19).map(|i| 1.0 - i as f32 * 0.1).collect();
         let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((dot(&a, &b) - naive).abs() < 1e-4);
-    }
-
-    /// Rows of a KV-like matrix: 19 rows (two blocks of eight and a tail), head sizes on
-    /// each SIMD path (64, 32) and off them (12); results equal the one-row definitions
-    /// exactly.
-    #[test]
-    fn attention_helpers_equal_their_definitions() {
-        let (stride, rows) = (80, 19);
-        let matrix: Vec<f16> = (0..stride * rows)
-            .map(|i| f16::from_f32(((i * 31 % 97) as f32 - 48.0) / 17.0))
-            .collect();
-        for (len, offset) in [(64, 16), (32, 3), (12, 5)] {
-            let query: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
-            let row =
-                |j: usize| matrix[j * stride + offset..j * stride + offset + len].to_f32_vec();
-            let mut widened = vec![0f32; rows * len];
-            widen_rows(&matrix, (stride, offset), len, &mut widened);
-            assert_eq!(widened, (0..rows).flat_map(row).collect::<Vec<f32>>());
-
-            let mut scores = vec![0f32; rows];
-            scaled_dots(&query, &widened, 0.125, &mut scores);
-            let want: Vec<f32> = (0..rows).map(|j| dot(&query, &row(j)) * 0.125).collect();
-            assert_eq!(scores, want, "len {len}");
-
-            let mut out = vec![0.5f32; len];
-            add_weighted_rows(&scores, &widened, &mut out);
-            let mut want = vec![0.5f32; len];
-            for (j, &w) in scores.iter().enumerate() {
-                for (o, v) in want.iter_mut().zip(row(j)) {
-                    *o = w.mul_add(v, *o);
-                }
-            }
-            assert_eq!(out, want, "len {len}");
-        }
     }
 
     #[test]
