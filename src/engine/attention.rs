@@ -65,36 +65,38 @@ impl HeadRows {
         }
     }
 
-    /// For each query head g of `queries` (`[heads, head_dim]`): `out_g += softmax(scale ·
-    /// q_g · Kᵀ) · V` over the first `positions` rows, on the registers of `vectors`.
-    pub fn attend(
+    /// For each query row `(queries, positions, out)`, each query head g of `queries`
+    /// (`[heads, head_dim]`): `out_g += softmax(scale · q_g · Kᵀ) · V` over the first
+    /// `positions` rows, on the registers of `vectors`. One score buffer serves every row.
+    pub fn attend<'a>(
         &self,
         vectors: Vectors,
-        queries: &[f32],
-        positions: usize,
         scale: f32,
-        out: &mut [f32],
+        rows: impl IntoIterator<Item = (&'a [f32], usize, &'a mut [f32])>,
     ) {
-        assert!(positions * self.head_dim <= self.values.len() && queries.len() == out.len());
         let mut scores = vec![0f32; MAX_HEADS_PER_PASS * self.padded];
-        for (queries, out) in queries
-            .chunks(MAX_HEADS_PER_PASS * self.head_dim)
-            .zip(out.chunks_mut(MAX_HEADS_PER_PASS * self.head_dim))
-        {
-            let pass = Pass {
-                rows: self,
-                queries,
-                positions,
-                scores: &mut scores,
-                out,
-            };
-            match vectors {
-                // SAFETY: `Vectors::available` lists a set only where the CPU has it.
-                #[cfg(target_arch = "x86_64")]
-                Vectors::Avx512 => unsafe { pass.run_avx512(scale) },
-                #[cfg(target_arch = "x86_64")]
-                Vectors::Avx2 => unsafe { pass.run_avx2(scale) },
-                Vectors::Scalar => unsafe { pass.run::<f32>(scale) },
+        for (queries, positions, out) in rows {
+            assert!(positions * self.head_dim <= self.values.len());
+            assert_eq!(queries.len(), out.len());
+            for (queries, out) in queries
+                .chunks(MAX_HEADS_PER_PASS * self.head_dim)
+                .zip(out.chunks_mut(MAX_HEADS_PER_PASS * self.head_dim))
+            {
+                let pass = Pass {
+                    rows: self,
+                    queries,
+                    positions,
+                    scores: &mut scores,
+                    out,
+                };
+                match vectors {
+                    // SAFETY: `Vectors::available` lists a set only where the CPU has it.
+                    #[cfg(target_arch = "x86_64")]
+                    Vectors::Avx512 => unsafe { pass.run_avx512(scale) },
+                    #[cfg(target_arch = "x86_64")]
+                    Vectors::Avx2 => unsafe { pass.run_avx2(scale) },
+                    Vectors::Scalar => unsafe { pass.run::<f32>(scale) },
+                }
             }
         }
     }
@@ -473,7 +475,7 @@ mod tests {
                     let want = reference(&keys, &values, &queries, positions, 0.125);
                     for vectors in Vectors::available() {
                         let mut out = vec![0.25f32; queries.len()];
-                        rows.attend(vectors, &queries, positions, 0.125, &mut out);
+                        rows.attend(vectors, 0.125, [(&queries[..], positions, &mut out[..])]);
                         assert_eq!(
                             out, want,
                             "{vectors:?}: hd {hd}, {positions} positions, {heads} heads"

@@ -326,11 +326,18 @@ impl LlamaModel {
                 hd,
                 seg.first_position + rows.end,
             );
-            for (i, out) in rows.clone().zip(out.chunks_exact_mut(group * hd)) {
-                let start = (seg.first_row + i) * q_dim + first_head * hd;
-                let queries = &q[start..start + group * hd];
-                head_rows.attend(vectors, queries, seg.first_position + i + 1, scale, out);
-            }
+            let query_rows = rows
+                .clone()
+                .zip(out.chunks_exact_mut(group * hd))
+                .map(|(i, out)| {
+                    let start = (seg.first_row + i) * q_dim + first_head * hd;
+                    (
+                        &q[start..start + group * hd],
+                        seg.first_position + i + 1,
+                        out,
+                    )
+                });
+            head_rows.attend(vectors, scale, query_rows);
             out
         });
         let rows: usize = segments.iter().map(|s| s.rows).sum();

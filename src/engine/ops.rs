@@ -1,6 +1,6 @@
-//! Small numeric kernels on f32 slices. Each reduces in a fixed
-//! order (eight lanes, then the lanes by `sum_lanes`' tree), so results depend only on the
-//! inputs, never on batching or threads.
+//! Small numeric kernels on f32 slices. Each reduces in a fixed order (eight lanes, then the
+//! lanes by `sum_lanes`' tree), so results depend only on the inputs, never on batching or
+//! threads.
 
 /// Dot product with eight independent fused multiply-add accumulators, reduced by
 /// `sum_lanes` (deterministic).
@@ -198,8 +198,8 @@ pub fn softmax_in_place(x: &mut [f32]) {
     softmax_portable(x)
 }
 
-/// `softmax_in_place` one element at a time; LLVM vectorises its exp only four lanes wide
-/// with scalar stores, a fifth of the attention's time.
+/// `softmax_in_place` one element at a time (the build without AVX2, and the twin the register
+/// version is tested against); LLVM vectorises its exp only four lanes wide with scalar stores.
 #[cfg_attr(
     all(
         target_arch = "x86_64",
