@@ -41,19 +41,30 @@ impl HeadRows {
         let padded = positions.div_ceil(POSITION_PAD) * POSITION_PAD;
         let mut keys_t = vec![0f32; head_dim * padded];
         let mut values = vec![0f32; positions * head_dim];
-        let mut key = vec![0f32; head_dim];
+        // Keys are widened `POSITION_PAD` rows at a time, then transposed from that buffer,
+        // so each store of `keys_t` fills a run of consecutive positions (a position-by-
+        // position transpose stores one float per cache line: on an Intel Xeon it was most
+        // of attention's 12 % of a B = 1 decode step).
+        let mut chunk = vec![0f32; POSITION_PAD * head_dim];
         let mut position = 0;
         for (keys, vals) in blocks {
             let mut j = 0;
             while position < positions && (j + 1) * stride <= keys.len() {
                 let at = j * stride + offset;
-                keys[at..at + head_dim].convert_to_f32_slice(&mut key);
-                for (d, &k) in key.iter().enumerate() {
-                    keys_t[d * padded + position] = k;
-                }
+                let slot = position % POSITION_PAD;
+                keys[at..at + head_dim]
+                    .convert_to_f32_slice(&mut chunk[slot * head_dim..][..head_dim]);
                 vals[at..at + head_dim]
                     .convert_to_f32_slice(&mut values[position * head_dim..][..head_dim]);
                 (j, position) = (j + 1, position + 1);
+                if slot + 1 == POSITION_PAD || position == positions {
+                    let first = position - (slot + 1);
+                    for (d, run) in keys_t.chunks_exact_mut(padded).enumerate() {
+                        for (p, k) in run[first..=first + slot].iter_mut().enumerate() {
+                            *k = chunk[p * head_dim + d];
+                        }
+                    }
+                }
             }
         }
         assert_eq!(position, positions, "the blocks hold fewer rows than asked");
