@@ -10,6 +10,7 @@ pub(crate) mod kv_blocks;
 pub(crate) mod llama;
 pub mod ops;
 pub(crate) mod parallel;
+pub(crate) mod pool;
 pub(crate) mod qmatmul;
 pub mod sampling;
 pub(crate) mod simulated;
@@ -157,7 +158,7 @@ pub struct Executor {
     kv: kv::KvStore,
     data: kv_blocks::KvBlocks,
     /// The model's own threads; `None` for one thread: steps run inline on the caller.
-    pool: Option<rayon::ThreadPool>,
+    pool: Option<pool::StepPool>,
 }
 
 /// Fails with a clear error where the binary's SIMD baseline is missing on this CPU.
@@ -203,15 +204,7 @@ impl Executor {
         kv_tokens: usize,
     ) -> EngineResult<Self> {
         let pool = (threads > 1)
-            .then(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name({
-                        let name = name.to_string();
-                        move |i| format!("{name}-{i}")
-                    })
-                    .build()
-            })
+            .then(|| pool::StepPool::new(threads, name))
             .transpose()
             .map_err(|e| EngineError::InvalidStep(format!("thread pool: {e}")))?;
         let model = LlamaModel::new(weights);
@@ -295,7 +288,7 @@ impl StepExecutor for Executor {
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
         let (model, kv, data) = (&self.model, &mut self.kv, &mut self.data);
         match &self.pool {
-            Some(pool) => pool.install(|| step_on(model, kv, data, work)),
+            Some(pool) => pool.enter(|| step_on(model, kv, data, work)),
             None => step_on(model, kv, data, work),
         }
     }

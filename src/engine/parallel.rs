@@ -1,14 +1,12 @@
-//! How a step's loops spread over threads. An executor with `threads > 1` runs its step inside
-//! its own rayon pool; one with a single thread runs it inline on the model's actor thread, so
-//! no pool thread exists to spin beside another model's (two spinning pools on two cores starve
-//! each other). The helpers below parallelise only when called from inside a pool.
+//! How a step's loops spread over threads: over the `StepPool` the step entered (an
+//! executor with `threads > 1` has one), or inline on the calling thread (one thread: no
+//! worker exists to spin beside another model's, since two spinning pools on two cores
+//! starve each other).
 
-use rayon::prelude::*;
+pub(crate) use super::pool::current_threads;
+use super::pool::for_each_index;
 use std::ops::Range;
-
-fn in_pool() -> bool {
-    rayon::current_thread_index().is_some()
-}
+use std::sync::Mutex;
 
 /// `(0..count).map(f)`, collected in order.
 pub fn map_indices<T, F>(count: usize, f: F) -> Vec<T>
@@ -16,11 +14,21 @@ where
     T: Send,
     F: Fn(usize) -> T + Sync + Send,
 {
-    if in_pool() {
-        (0..count).into_par_iter().map(f).collect()
-    } else {
-        (0..count).map(f).collect()
+    if current_threads() == 1 {
+        return (0..count).map(f).collect();
     }
+    let slots: Vec<Mutex<Option<T>>> = (0..count).map(|_| Mutex::new(None)).collect();
+    for_each_index(count, &|i| {
+        *slots[i].lock().expect("one task per slot") = Some(f(i));
+    });
+    slots
+        .into_iter()
+        .map(|slot| {
+            slot.into_inner()
+                .expect("one task per slot")
+                .expect("every task ran")
+        })
+        .collect()
 }
 
 /// `items.iter_mut().for_each(f)`, at least `min_len` items per parallel task.
@@ -29,11 +37,21 @@ where
     T: Send,
     F: Fn(&mut T) + Sync + Send,
 {
-    if in_pool() {
-        items.par_iter_mut().with_min_len(min_len).for_each(f)
-    } else {
-        items.iter_mut().for_each(f)
+    let threads = current_threads();
+    if threads == 1 {
+        return items.iter_mut().for_each(f);
     }
+    let chunks: Vec<Mutex<&mut [T]>> = items
+        .chunks_mut(chunk_len(items.len(), threads, min_len))
+        .map(Mutex::new)
+        .collect();
+    for_each_index(chunks.len(), &|i| {
+        chunks[i]
+            .lock()
+            .expect("one task per chunk")
+            .iter_mut()
+            .for_each(&f)
+    });
 }
 
 /// Fills row-major outputs (`outs[i]` is `[rows, n_out_i]`) by column ranges of at most
@@ -71,11 +89,7 @@ where
             unsafe { target.write_segment(r * n_out + columns.start, segment) };
         }
     };
-    if in_pool() {
-        (0..tasks.len()).into_par_iter().for_each(task);
-    } else {
-        (0..tasks.len()).for_each(task);
-    }
+    for_each_index(tasks.len(), &task);
 }
 
 /// `out`'s base pointer, shared by tasks that write disjoint columns.
@@ -103,16 +117,20 @@ pub fn chunk_len(items: usize, threads: usize, min_len: usize) -> usize {
 mod tests {
     use super::*;
 
+    use crate::engine::pool::StepPool;
+
     #[test]
     fn inline_and_pooled_runs_give_the_same_result() {
-        let run = || map_indices(17, |i| i * i);
+        let run = || {
+            let mut squares: Vec<usize> = (0..37).collect();
+            for_each_mut(&mut squares, 4, |x| *x *= *x);
+            (map_indices(17, |i| i * i), squares)
+        };
         let inline = run();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        assert_eq!(pool.install(run), inline);
-        assert_eq!(inline[4], 16);
+        let pool = StepPool::new(2, "test").unwrap();
+        assert_eq!(pool.enter(run), inline);
+        assert_eq!(inline.0[4], 16);
+        assert_eq!(inline.1[36], 36 * 36);
     }
 
     #[test]
@@ -140,11 +158,8 @@ mod tests {
             })
             .collect();
         assert_eq!(inline, expected);
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        assert_eq!(pool.install(run), expected);
+        let pool = StepPool::new(2, "test").unwrap();
+        assert_eq!(pool.enter(run), expected);
     }
 
     #[test]

@@ -301,7 +301,7 @@ impl QWeight {
     fn columns_per_task(&self) -> usize {
         parallel::chunk_len(
             self.n_out,
-            rayon::current_num_threads(),
+            parallel::current_threads(),
             MIN_COLUMNS_PER_TASK,
         )
     }
@@ -618,10 +618,7 @@ mod tests {
     #[test]
     fn rows_do_not_depend_on_batch_mates_or_threads() {
         let (n, rows) = (70, 13);
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let pool = crate::engine::pool::StepPool::new(2, "test").unwrap();
         for (dtype, k) in [
             (GgmlDType::F32, 128),
             (GgmlDType::F16, 101),
@@ -641,7 +638,7 @@ mod tests {
             let (w, _) = weight(dtype, n, k);
             for kernel in Kernel::available() {
                 let batched = w.matmul_with(kernel, x, rows);
-                let pooled = pool.install(|| w.matmul_with(kernel, x, rows));
+                let pooled = pool.enter(|| w.matmul_with(kernel, x, rows));
                 assert_eq!(
                     batched, pooled,
                     "{dtype:?} {kernel:?}: threads changed results"
