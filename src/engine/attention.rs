@@ -31,7 +31,9 @@ pub struct HeadRows {
 
 impl HeadRows {
     /// Widens the first `positions` rows of one KV head from the cache: `blocks` yields each
-    /// block's key and value planes in order, row j of a plane at `j · stride + offset`.
+    /// block's key plane, transposed (`[stride, block rows]`: element c of row j at
+    /// `c · block rows + j`), and value plane (`[block rows, stride]`); the head's elements
+    /// are `offset..offset + head_dim` of each row.
     pub fn widen<'a>(
         blocks: impl Iterator<Item = (&'a [f16], &'a [f16])>,
         (stride, offset): (usize, usize),
@@ -41,31 +43,26 @@ impl HeadRows {
         let padded = positions.div_ceil(POSITION_PAD) * POSITION_PAD;
         let mut keys_t = vec![0f32; head_dim * padded];
         let mut values = vec![0f32; positions * head_dim];
-        // Keys are widened `POSITION_PAD` rows at a time, then transposed from that buffer,
-        // so each store of `keys_t` fills a run of consecutive positions (a position-by-
-        // position transpose stores one float per cache line: on an Intel Xeon it was most
-        // of attention's 12 % of a B = 1 decode step).
-        let mut chunk = vec![0f32; POSITION_PAD * head_dim];
         let mut position = 0;
         for (keys, vals) in blocks {
-            let mut j = 0;
-            while position < positions && (j + 1) * stride <= keys.len() {
-                let at = j * stride + offset;
-                let slot = position % POSITION_PAD;
-                keys[at..at + head_dim]
-                    .convert_to_f32_slice(&mut chunk[slot * head_dim..][..head_dim]);
-                vals[at..at + head_dim]
-                    .convert_to_f32_slice(&mut values[position * head_dim..][..head_dim]);
-                (j, position) = (j + 1, position + 1);
-                if slot + 1 == POSITION_PAD || position == positions {
-                    let first = position - (slot + 1);
-                    for (d, run) in keys_t.chunks_exact_mut(padded).enumerate() {
-                        for (p, k) in run[first..=first + slot].iter_mut().enumerate() {
-                            *k = chunk[p * head_dim + d];
-                        }
-                    }
-                }
+            let block_rows = keys.len() / stride;
+            let rows = block_rows.min(positions - position);
+            if rows == 0 {
+                break;
             }
+            // The cache keeps keys transposed, so each dimension's run of positions widens
+            // straight into its row of `keys_t` (transposing here, one float at a time, was
+            // most of attention's cost in a B = 1 decode step).
+            for (d, run) in keys_t.chunks_exact_mut(padded).enumerate() {
+                keys[(offset + d) * block_rows..][..rows]
+                    .convert_to_f32_slice(&mut run[position..position + rows]);
+            }
+            for j in 0..rows {
+                let at = j * stride + offset;
+                vals[at..at + head_dim]
+                    .convert_to_f32_slice(&mut values[(position + j) * head_dim..][..head_dim]);
+            }
+            position += rows;
         }
         assert_eq!(position, positions, "the blocks hold fewer rows than asked");
         Self {
@@ -452,7 +449,7 @@ mod tests {
         out
     }
 
-    /// KV rows in two cache blocks of 24 rows (stride 40, the head at offset 8), head sizes
+    /// KV rows in two cache blocks of 24 rows (stride 80, the head at offset 8), head sizes
     /// on the blocked path (64) and off it (12), 1 to 6 query heads (passes of 4 and a rest),
     /// position counts around the block sizes: the blocked builds equal the definitions bit
     /// for bit.
@@ -466,17 +463,21 @@ mod tests {
                 (plane(b * 7919), plane(b * 7919 + 13))
             })
             .collect();
-        let widened = |hd: usize, which: usize| -> Vec<Vec<f32>> {
+        // Keys are transposed in the plane (element c of row j at `c · block_rows + j`).
+        let rows_of = |hd: usize, at: &dyn Fn(usize, usize) -> usize, which: usize| {
             planes
                 .iter()
                 .flat_map(|p| {
                     let plane = if which == 0 { &p.0 } else { &p.1 };
-                    (0..block_rows).map(move |j| plane[j * stride + offset..][..hd].to_f32_vec())
+                    (0..block_rows)
+                        .map(|j| (0..hd).map(|d| plane[at(j, offset + d)].to_f32()).collect())
+                        .collect::<Vec<Vec<f32>>>()
                 })
-                .collect()
+                .collect::<Vec<Vec<f32>>>()
         };
         for hd in [64, 12] {
-            let (keys, values) = (widened(hd, 0), widened(hd, 1));
+            let keys = rows_of(hd, &|j, c| c * block_rows + j, 0);
+            let values = rows_of(hd, &|j, c| j * stride + c, 1);
             for positions in [1, 15, 16, 17, 40, 48] {
                 let blocks = planes.iter().map(|(k, v)| (&k[..], &v[..]));
                 let rows = HeadRows::widen(blocks, (stride, offset), hd, positions);

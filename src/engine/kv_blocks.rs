@@ -1,7 +1,9 @@
 //! The CPU backend's KV contents, by block of `KvStore`: per block and layer, the keys then
-//! the values of `BLOCK_TOKENS` positions, row-major `[position, kv_heads * head_dim]`, in
-//! f16: attention reads a sequence's whole cache every step, so half the bytes is half its
-//! memory traffic (llama.cpp's default cache type too).
+//! the values of `BLOCK_TOKENS` positions, in f16: attention reads a sequence's whole cache
+//! every step, so half the bytes is half its memory traffic (llama.cpp's default cache type
+//! too). Values are row-major `[position, kv_heads * head_dim]`; keys are transposed,
+//! `[kv_heads * head_dim, position]`, because attention scores consecutive positions in one
+//! register and so wants each key dimension's positions contiguous.
 
 use super::kv::{BlockCopy, BlockId, BLOCK_TOKENS};
 use half::f16;
@@ -49,21 +51,22 @@ impl KvBlocks {
         let kv_dim = self.kv_dim;
         let (k_at, v_at) = (self.offset(layer, 0), self.offset(layer, 1));
         let block = self.block_mut(id);
-        let row = slot * kv_dim;
-        for (to, &from) in block[k_at + row..k_at + row + kv_dim].iter_mut().zip(key) {
-            *to = f16::from_f32(from);
+        for (c, &from) in key.iter().enumerate() {
+            block[k_at + c * BLOCK_TOKENS + slot] = f16::from_f32(from);
         }
+        let row = slot * kv_dim;
         for (to, &from) in block[v_at + row..v_at + row + kv_dim].iter_mut().zip(value) {
             *to = f16::from_f32(from);
         }
     }
 
-    /// `layer`'s key rows of block `id` (all `BLOCK_TOKENS` slots).
+    /// `layer`'s keys of block `id`, transposed: `[kv_dim, BLOCK_TOKENS]`.
     pub fn keys(&self, id: BlockId, layer: usize) -> &[f16] {
         let at = self.offset(layer, 0);
         &self.blocks[id as usize][at..at + self.plane()]
     }
 
+    /// `layer`'s value rows of block `id`: `[BLOCK_TOKENS, kv_dim]`.
     pub fn values(&self, id: BlockId, layer: usize) -> &[f16] {
         let at = self.offset(layer, 1);
         &self.blocks[id as usize][at..at + self.plane()]
@@ -72,9 +75,16 @@ impl KvBlocks {
     /// Carries out a copy the block manager asked for (only the positions it names, in
     /// every layer).
     pub fn copy(&mut self, copy: BlockCopy) {
-        let rows = copy.positions * self.kv_dim;
-        let offsets: Vec<usize> = (0..self.layers)
-            .flat_map(|layer| [self.offset(layer, 0), self.offset(layer, 1)])
+        // Each key dimension's run of the leading positions, and the leading value rows.
+        let key_runs = (0..self.kv_dim).map(|c| (c * BLOCK_TOKENS, copy.positions));
+        let value_rows = [(0, copy.positions * self.kv_dim)];
+        let runs: Vec<(usize, usize)> = (0..self.layers)
+            .flat_map(|layer| {
+                let (k_at, v_at) = (self.offset(layer, 0), self.offset(layer, 1));
+                let keys = key_runs.clone().map(move |(at, len)| (k_at + at, len));
+                let values = value_rows.map(|(at, len)| (v_at + at, len));
+                keys.chain(values)
+            })
             .collect();
         self.block_mut(copy.to);
         self.block_mut(copy.from);
@@ -82,8 +92,8 @@ impl KvBlocks {
             .blocks
             .get_disjoint_mut([copy.from as usize, copy.to as usize])
             .expect("two distinct allocated blocks");
-        for at in offsets {
-            target[at..at + rows].copy_from_slice(&source[at..at + rows]);
+        for (at, len) in runs {
+            target[at..at + len].copy_from_slice(&source[at..at + len]);
         }
     }
 }
@@ -107,10 +117,9 @@ mod tests {
             positions: 2,
         });
         let floats = |v: &[f16]| v.iter().map(|h| h.to_f32()).collect::<Vec<_>>();
-        assert_eq!(
-            floats(&data.keys(1, 1)[..6]),
-            [10.0, 10.5, 11.0, 11.5, 0.0, 0.0]
-        );
+        let keys = floats(data.keys(1, 1));
+        assert_eq!(keys[..3], [10.0, 11.0, 0.0]);
+        assert_eq!(keys[BLOCK_TOKENS..BLOCK_TOKENS + 3], [10.5, 11.5, 0.0]);
         assert_eq!(floats(&data.values(1, 0)[..4]), [-0.0, -0.5, -1.0, -1.5]);
     }
 }
