@@ -47,19 +47,22 @@ impl HeadRows {
         let mut blocks = blocks.peekable();
         while let Some((keys, vals)) = blocks.next() {
             let block_rows = keys.len() / stride;
+            let rows = block_rows.min(positions - position);
+            if rows == 0 {
+                break;
+            }
             // Blocks lie apart in memory, and the hardware prefetcher starts over at each one;
             // asking for the next block's rows of this head while this one widens took 7 % off
-            // a decode step at context 1024 (docs/engine.md).
-            if let Some(&(next_keys, next_vals)) = blocks.peek() {
+            // a decode step at context 1024 (docs/engine.md). Only a block still needed: a
+            // prompt's early row runs stop short of its last blocks.
+            if let Some(&(next_keys, next_vals)) =
+                blocks.peek().filter(|_| position + rows < positions)
+            {
                 let next_rows = next_keys.len() / stride;
                 prefetch(&next_keys[offset * next_rows..(offset + head_dim) * next_rows]);
                 for j in 0..next_rows {
                     prefetch(&next_vals[j * stride + offset..][..head_dim]);
                 }
-            }
-            let rows = block_rows.min(positions - position);
-            if rows == 0 {
-                break;
             }
             // The cache keeps keys transposed, so each dimension's run of positions widens
             // straight into its row of `keys_t` (transposing here, one float at a time, was

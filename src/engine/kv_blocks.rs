@@ -75,15 +75,15 @@ impl KvBlocks {
     /// Carries out a copy the block manager asked for (only the positions it names, in
     /// every layer).
     pub fn copy(&mut self, copy: BlockCopy) {
-        // Each key dimension's run of the leading positions, and the leading value rows.
-        let key_runs = (0..self.kv_dim).map(|c| (c * BLOCK_TOKENS, copy.positions));
-        let value_rows = [(0, copy.positions * self.kv_dim)];
+        // Per layer: each key dimension's run of the leading positions, then the leading
+        // value rows, as (start, length).
+        let (kv_dim, positions) = (self.kv_dim, copy.positions);
         let runs: Vec<(usize, usize)> = (0..self.layers)
             .flat_map(|layer| {
                 let (k_at, v_at) = (self.offset(layer, 0), self.offset(layer, 1));
-                let keys = key_runs.clone().map(move |(at, len)| (k_at + at, len));
-                let values = value_rows.map(|(at, len)| (v_at + at, len));
-                keys.chain(values)
+                (0..kv_dim)
+                    .map(move |c| (k_at + c * BLOCK_TOKENS, positions))
+                    .chain([(v_at, positions * kv_dim)])
             })
             .collect();
         self.block_mut(copy.to);
