@@ -11,6 +11,7 @@ use super::layout::{groups, stored_blocks, Group, BLOCK};
 use super::simd::{avx2, vnni};
 use candle_core::quantized::GgmlDType;
 use half::f16;
+use std::ops::Range;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Int8Format {
@@ -676,7 +677,7 @@ impl std::str::FromStr for Kernel {
 
 /// Columns `first..first + C` against rows `rows` with a SIMD module's `tile`, over row
 /// tiles of the listed sizes, largest first (sizes are constants, so the accumulators live in
-/// registers). `out` holds the rows `[rows, stride]` from column `first`.
+/// registers). `out` holds the rows `[rows, stride]` from row `rows.start` and column `first`.
 macro_rules! column_tile {
     (
         $module:ident::<C = $c:literal, R = $($r:literal)|+>,
@@ -685,7 +686,7 @@ macro_rules! column_tile {
         let columns: [Column; $c] = std::array::from_fn(|i| $weights.column($first + i));
         let mut row = $rows.start;
         while row < $rows.end {
-            let (remaining, out) = ($rows.end - row, &mut $out[row * $stride..]);
+            let (remaining, out) = ($rows.end - row, &mut $out[(row - $rows.start) * $stride..]);
             row += $(if remaining >= $r {
                 $module::tile::<$r, $c>(&columns, $x, row, out, $stride);
                 $r
@@ -704,8 +705,8 @@ const TWO_COLUMN_MIN_ROWS: usize = 8;
 /// stay in L1/L2 while the columns' weights stream past.
 pub(super) const ROW_CHUNK: usize = 64;
 
-/// Dot products of weight rows (output columns) `first_col..` with every activation row, into
-/// `out` laid out `[rows, columns]`.
+/// Dot products of weight rows (output columns) `first_col..` with activation rows `rows`,
+/// into `out` laid out `[rows, columns]`.
 ///
 /// Tile shapes, measured on Zen 4 (1 thread, SmolLM2-sized matrices, 30 layers' worth so the
 /// weights stream from memory): with VNNI and 8 or more rows, two columns of up to four rows
@@ -720,19 +721,22 @@ pub fn columns(
     kernel: Kernel,
     weights: &PackedInt8,
     x: &QuantizedRows,
+    rows: Range<usize>,
     first_col: usize,
     out: &mut [f32],
 ) {
-    let rows = x.rows();
-    if rows == 0 {
+    if rows.is_empty() {
         return;
     }
-    let cols = out.len() / rows;
-    for chunk_start in (0..rows).step_by(ROW_CHUNK) {
-        let chunk = chunk_start..(chunk_start + ROW_CHUNK).min(rows);
+    assert!(rows.end <= x.rows(), "activation rows out of range");
+    let cols = out.len() / rows.len();
+    for chunk_start in rows.clone().step_by(ROW_CHUNK) {
+        let chunk = chunk_start..(chunk_start + ROW_CHUNK).min(rows.end);
         let mut c = 0;
         while c < cols {
-            let (first, out) = (first_col + c, &mut out[c..]);
+            // `out` from the chunk's first row, so the tiles index it by rows of `x`.
+            let out = &mut out[(chunk_start - rows.start) * cols + c..];
+            let first = first_col + c;
             c += match kernel {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `available` lists a SIMD kernel only where its features were detected.
@@ -760,7 +764,7 @@ pub fn columns(
                 Kernel::Portable => {
                     let column = weights.column(first);
                     for row in chunk.clone() {
-                        out[row * cols] = dot_portable(&column, x, row);
+                        out[(row - chunk_start) * cols] = dot_portable(&column, x, row);
                     }
                     1
                 }

@@ -246,13 +246,14 @@ impl QWeight {
                         &quantized.iter().find(|(f, _)| *f == format).unwrap().1
                     })
                     .collect();
-                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, columns, buffer| {
-                    int8::columns(kernel, int8[i], inputs[i], columns.start, buffer)
+                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, rows, columns, out| {
+                    int8::columns(kernel, int8[i], inputs[i], rows, columns.start, out)
                 });
             }
             (_, Some(dense)) => {
-                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, columns, buffer| {
-                    dense::columns(kernel, dense[i], k_in, x, columns.start, buffer)
+                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, rows, columns, out| {
+                    let x = &x[rows.start * k_in..rows.end * k_in];
+                    dense::columns(kernel, dense[i], k_in, x, columns.start, out)
                 });
             }
             _ => {
@@ -287,15 +288,21 @@ impl QWeight {
             T::VecDotType::from_float(src, dst);
         }
         let outs = std::slice::from_mut(out);
-        parallel::fill_columns(outs, rows, self.columns_per_task(), |_, columns, buffer| {
-            let width = columns.len();
-            for (c, column) in columns.enumerate() {
-                let w = &weight[column * row_blocks..(column + 1) * row_blocks];
-                for (row, xq) in x_quant.chunks(row_blocks).enumerate() {
-                    buffer[row * width + c] = T::vec_dot(self.k_in, w, xq);
+        parallel::fill_columns(
+            outs,
+            rows,
+            self.columns_per_task(),
+            |_, rows, columns, out| {
+                let width = columns.len();
+                let x_quant = &x_quant[rows.start * row_blocks..rows.end * row_blocks];
+                for (c, column) in columns.enumerate() {
+                    let w = &weight[column * row_blocks..(column + 1) * row_blocks];
+                    for (row, xq) in x_quant.chunks(row_blocks).enumerate() {
+                        out[row * width + c] = T::vec_dot(self.k_in, w, xq);
+                    }
                 }
-            }
-        });
+            },
+        );
     }
 
     fn columns_per_task(&self) -> usize {
