@@ -2,7 +2,7 @@
 //! through each weight matmul together (`[rows, hidden] × Wᵀ`); attention runs per sequence
 //! over its own KV. Sequences at different lengths share a step without padding.
 
-use super::attention::{HeadRows, Vectors};
+use super::attention::{HeadBlocks, HeadRows, KvRows, Vectors};
 use super::kv::{BlockId, KvStore, SeqId, BLOCK_TOKENS};
 use super::kv_blocks::KvBlocks;
 use super::ops;
@@ -42,11 +42,34 @@ pub struct Segment {
 const ROW_RUNS_PER_PROMPT: usize = 8;
 const MIN_ROWS_PER_RUN: usize = 16;
 
-/// Where a step's rows go: per row its position; per sequence its rows and KV blocks.
+/// Where a step's rows go: per row its position and rotation; per sequence its rows and KV
+/// blocks.
 struct StepShape {
-    positions: Vec<usize>,
     segments: Vec<Segment>,
     tables: Vec<Vec<BlockId>>,
+    rotations: Rotations,
+}
+
+/// Each row's rope angles' cosines and sines, `[rows, head_dim / 2]` each: the same for
+/// every layer and for queries and keys, so computed once per step (a 512-token prompt
+/// had called `sin_cos` 30 · 2 times per row and frequency).
+struct Rotations {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Rotations {
+    fn new(positions: impl Iterator<Item = usize>, inv_freq: &[f32]) -> Self {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for position in positions {
+            for &frequency in inv_freq {
+                let (s, c) = (position as f32 * frequency).sin_cos();
+                cos.push(c);
+                sin.push(s);
+            }
+        }
+        Self { cos, sin }
+    }
 }
 
 /// Inverse rope frequency per pair of head dimensions (with Llama 3.1's divisors if any).
@@ -76,6 +99,23 @@ pub fn embed_tokens(embedding: &[f32], hidden: usize, tokens: &[u32]) -> Vec<f32
         x.extend_from_slice(embedding_row(embedding, hidden, t));
     }
     x
+}
+
+/// `x / rms(x) · weight` per row of `hidden`, into a new matrix (runs of a long input in
+/// parallel).
+fn rms_norm_rows(x: &[f32], hidden: usize, weight: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = x.to_vec();
+    parallel::for_each_row_run(&mut out, hidden, |_, run| {
+        ops::rms_norm_rows_in_place(run, weight, eps)
+    });
+    out
+}
+
+/// `x += y`, both `[rows, hidden]` (runs of a long input in parallel).
+fn add_rows(x: &mut [f32], hidden: usize, y: &[f32]) {
+    parallel::for_each_row_run(x, hidden, |first, run| {
+        ops::add_in_place(run, &y[first * hidden..first * hidden + run.len()])
+    });
 }
 
 /// Checks a step's batch against the model and the KV it holds, and lays its sequences out as
@@ -155,10 +195,12 @@ impl LlamaModel {
         kv.reserve(&reservations)?;
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
         let shape = StepShape {
-            positions: segments
-                .iter()
-                .flat_map(|s| s.first_position..s.first_position + s.rows)
-                .collect(),
+            rotations: Rotations::new(
+                segments
+                    .iter()
+                    .flat_map(|s| s.first_position..s.first_position + s.rows),
+                &self.inv_freq,
+            ),
             tables: batch
                 .iter()
                 .map(|&(seq, _)| kv.table(seq).to_vec())
@@ -212,9 +254,8 @@ impl LlamaModel {
         data: &mut KvBlocks,
     ) {
         let hp = &self.weights.hp;
-        let positions = &shape.positions;
-        let rows = positions.len();
-        let h = ops::rms_norm_rows(x, &w.attn_norm, hp.rms_eps);
+        let rows = x.len() / hp.hidden;
+        let h = rms_norm_rows(x, hp.hidden, &w.attn_norm, hp.rms_eps);
         let [mut q, mut k, mut v] =
             QWeight::matmul_each_with(self.kernel, [&w.wq, &w.wk, &w.wv], &h, rows);
         for (t, bias) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
@@ -228,8 +269,8 @@ impl LlamaModel {
         if let Some(norm) = &w.k_norm {
             ops::rms_norm_rows_in_place(&mut k, norm, hp.rms_eps);
         }
-        self.rope(&mut q, positions);
-        self.rope(&mut k, positions);
+        self.rope(&mut q, &shape.rotations);
+        self.rope(&mut k, &shape.rotations);
         let (segments, tables) = (&shape.segments, &shape.tables);
 
         let kv_dim = self.kv_dim();
@@ -243,45 +284,52 @@ impl LlamaModel {
             }
         }
         let attn = self.attention(layer_idx, &q, segments, tables, data);
-        ops::add_in_place(x, &w.wo.matmul_with(self.kernel, &attn, rows));
+        add_rows(x, hp.hidden, &w.wo.matmul_with(self.kernel, &attn, rows));
 
-        let h = ops::rms_norm_rows(x, &w.ffn_norm, hp.rms_eps);
+        let h = rms_norm_rows(x, hp.hidden, &w.ffn_norm, hp.rms_eps);
         let [mut gate, up] = QWeight::matmul_each_with(self.kernel, [&w.w_gate, &w.w_up], &h, rows);
-        ops::silu_mul_in_place(&mut gate, &up);
-        ops::add_in_place(x, &w.w_down.matmul_with(self.kernel, &gate, rows));
+        let ffn = gate.len() / rows;
+        parallel::for_each_row_run(&mut gate, ffn, |first, run| {
+            ops::silu_mul_in_place(run, &up[first * ffn..first * ffn + run.len()])
+        });
+        add_rows(
+            x,
+            hp.hidden,
+            &w.w_down.matmul_with(self.kernel, &gate, rows),
+        );
     }
 
     /// Rotates every head of every row by its position.
-    fn rope(&self, x: &mut [f32], positions: &[usize]) {
+    fn rope(&self, x: &mut [f32], rotations: &Rotations) {
         let hd = self.weights.hp.head_dim;
         let half = hd / 2;
-        let row_len = x.len() / positions.len();
-        let mut cos = vec![0f32; half];
-        let mut sin = vec![0f32; half];
-        for (row, &pos) in x.chunks_mut(row_len).zip(positions) {
-            for i in 0..half {
-                let angle = pos as f32 * self.inv_freq[i];
-                (sin[i], cos[i]) = angle.sin_cos();
-            }
-            for head in row.chunks_mut(hd) {
-                for i in 0..half {
-                    let (a, b) = if self.weights.hp.rope_interleaved {
-                        (2 * i, 2 * i + 1)
-                    } else {
-                        (i, i + half)
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * cos[i] - x1 * sin[i];
-                    head[b] = x0 * sin[i] + x1 * cos[i];
+        let row_len = x.len() / (rotations.cos.len() / half);
+        let interleaved = self.weights.hp.rope_interleaved;
+        parallel::for_each_row_run(x, row_len, |first, run| {
+            let angles = first * half..first * half + run.len() / row_len * half;
+            let cos = rotations.cos[angles.clone()].chunks_exact(half);
+            let sin = rotations.sin[angles].chunks_exact(half);
+            for ((row, cos), sin) in run.chunks_exact_mut(row_len).zip(cos).zip(sin) {
+                for head in row.chunks_exact_mut(hd) {
+                    for i in 0..half {
+                        let (a, b) = if interleaved {
+                            (2 * i, 2 * i + 1)
+                        } else {
+                            (i, i + half)
+                        };
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0 * cos[i] - x1 * sin[i];
+                        head[b] = x0 * sin[i] + x1 * cos[i];
+                    }
                 }
             }
-        }
+        });
     }
 
     /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`.
-    /// A task (sequence, KV head, run of rows) widens that KV head's rows once and serves its
-    /// whole query group from them (`attention::HeadRows`); per head the arithmetic is the
-    /// same as alone.
+    /// A task (sequence, KV head, run of rows) serves its whole query group from that KV
+    /// head's rows: read in place for one row, widened once for more (`attention`); per head
+    /// the arithmetic is the same as alone.
     fn attention(
         &self,
         layer_idx: usize,
@@ -318,14 +366,12 @@ impl LlamaModel {
             let kv_off = kv_head * hd;
             let first_head = kv_head * group;
             let mut out = vec![0f32; rows.len() * group * hd];
-            let head_rows = HeadRows::widen(
+            let blocks = || {
                 table
                     .iter()
-                    .map(|&b| (data.keys(b, layer_idx), data.values(b, layer_idx))),
-                (kv_dim, kv_off),
-                hd,
-                seg.first_position + rows.end,
-            );
+                    .map(|&b| (data.keys(b, layer_idx), data.values(b, layer_idx)))
+            };
+            let held = seg.first_position + rows.end;
             let query_rows = rows
                 .clone()
                 .zip(out.chunks_exact_mut(group * hd))
@@ -337,7 +383,15 @@ impl LlamaModel {
                         out,
                     )
                 });
-            head_rows.attend(vectors, scale, query_rows);
+            // One row reads the cache in place; more share one widened copy.
+            let in_place = (rows.len() == 1)
+                .then(|| HeadBlocks::new(blocks(), (kv_dim, kv_off), hd, held))
+                .flatten();
+            match in_place {
+                Some(in_place) => in_place.attend(vectors, scale, query_rows),
+                None => HeadRows::widen(blocks(), (kv_dim, kv_off), hd, held)
+                    .attend(vectors, scale, query_rows),
+            }
             out
         });
         let rows: usize = segments.iter().map(|s| s.rows).sum();

@@ -141,13 +141,7 @@ mod simd {
     }
 }
 
-/// `out = x / rms(x) * weight`, row by row (`x` holds whole rows of `weight.len()`).
-pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = x.to_vec();
-    rms_norm_rows_in_place(&mut out, weight, eps);
-    out
-}
-
+/// `x = x / rms(x) * weight`, row by row (`x` holds whole rows of `weight.len()`).
 pub fn rms_norm_rows_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     let n = weight.len();
     for row in x.chunks_mut(n) {
@@ -367,7 +361,8 @@ mod tests {
 
     #[test]
     fn rms_norm_unit_rows() {
-        let out = rms_norm_rows(&[3.0, 4.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0], &[1.0; 4], 0.0);
+        let mut out = [3.0, 4.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0];
+        rms_norm_rows_in_place(&mut out, &[1.0; 4], 0.0);
         assert!((out[0] - 1.2).abs() < 1e-6 && (out[1] - 1.6).abs() < 1e-6);
         assert!(out[4..].iter().all(|v| (v - 1.0).abs() < 1e-6));
     }

@@ -54,37 +54,62 @@ where
     });
 }
 
+/// How `fill_columns` shares a matmul's outputs out.
+pub struct Split {
+    /// Rows per task of a long input: the kernels' row chunk, so each task streams a
+    /// matrix's weights once past rows that stay in cache.
+    pub row_run: usize,
+    /// Columns per task of a short input.
+    pub cols_per_task: usize,
+}
+
 /// Fills row-major outputs (`outs[i]` is `[rows, n_out_i]`), all outputs' tasks in one
 /// parallel region: `f(i, rows, columns, out)` writes output `i`'s block of `rows` and
 /// `columns` row-major (`[rows, columns]`) into `out`.
 ///
-/// A long input (a prompt) is split by runs of `ROW_TASK` rows over every column, so a task
-/// writes its rows of the output in place. A short one (a decode batch) has too few rows to
-/// share out, so tasks take column ranges of at most `cols_per_task`, each into a task-local
-/// buffer copied row by row into the output. (In a 512-token prefill, zeroing and copying
-/// those buffers took 9 % of the samples.)
-pub fn fill_columns<F>(outs: &mut [Vec<f32>], rows: usize, cols_per_task: usize, f: F)
+/// A long input (a prompt; two runs per thread or more) is split by runs of
+/// `split.row_run` rows over every column, so a task writes its rows of the output in place.
+/// A short one (a decode batch) has too few rows to share out, so tasks take column ranges of
+/// at most `split.cols_per_task`, each into a task-local buffer copied row by row into the
+/// output. (In a 512-token prefill, zeroing and copying those buffers took 9 % of the
+/// samples.)
+pub fn fill_columns<F>(outs: &mut [Vec<f32>], rows: usize, split: Split, f: F)
 where
     F: Fn(usize, Range<usize>, Range<usize>, &mut [f32]) + Sync + Send,
 {
     if rows == 0 {
         return;
     }
-    if rows >= ROW_TASKS_FROM * current_threads() {
-        fill_row_runs(outs, rows, f);
+    let row_run = split.row_run.max(1);
+    if rows >= 2 * row_run * current_threads() {
+        fill_row_runs(outs, rows, row_run, f);
     } else {
-        fill_column_ranges(outs, rows, cols_per_task, f);
+        fill_column_ranges(outs, rows, split.cols_per_task, f);
     }
 }
 
-/// Rows per task when a long input is split by rows: the kernels' row chunk, so each task
-/// streams a matrix's weights once past rows that stay in cache.
-const ROW_TASK: usize = 64;
-/// Rows per thread from which an input is split by rows: fewer runs than this per thread
-/// leave the threads unevenly loaded.
-const ROW_TASKS_FROM: usize = 2 * ROW_TASK;
+/// `f(first_row, run)` over `x`'s rows of `row_len` values, cut into runs of `ROW_RUN` rows
+/// that run in parallel once there are at least two; a decode batch's few rows run inline.
+/// For the row-wise operations between a prompt's matmuls (norms, rope, SwiGLU, residual
+/// adds), which otherwise ran on the stepping thread while the other threads spun.
+pub fn for_each_row_run<F>(x: &mut [f32], row_len: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    let rows = x.len() / row_len.max(1);
+    if rows <= ROW_RUN || current_threads() == 1 {
+        return f(0, x);
+    }
+    let runs: Vec<Mutex<&mut [f32]>> = x.chunks_mut(ROW_RUN * row_len).map(Mutex::new).collect();
+    for_each_index(runs.len(), &|i| {
+        f(i * ROW_RUN, &mut runs[i].lock().expect("one task per run"))
+    });
+}
 
-fn fill_row_runs<F>(outs: &mut [Vec<f32>], rows: usize, f: F)
+/// Rows per task of a row-wise operation on a long input.
+const ROW_RUN: usize = 64;
+
+fn fill_row_runs<F>(outs: &mut [Vec<f32>], rows: usize, row_run: usize, f: F)
 where
     F: Fn(usize, Range<usize>, Range<usize>, &mut [f32]) + Sync + Send,
 {
@@ -93,15 +118,13 @@ where
         .enumerate()
         .flat_map(|(i, out)| {
             let n_out = out.len() / rows;
-            out.chunks_mut(ROW_TASK * n_out)
+            out.chunks_mut(row_run * n_out)
                 .enumerate()
                 .map(move |(run, block)| {
-                    let first = run * ROW_TASK;
-                    let rows = first..first + block.len() / n_out;
                     Mutex::new(RowRun {
                         output: i,
-                        rows,
-                        columns: 0..n_out,
+                        first_row: run * row_run,
+                        n_out,
                         block,
                     })
                 })
@@ -111,19 +134,21 @@ where
         let mut task = tasks[t].lock().expect("one task per run");
         let RowRun {
             output,
-            ref rows,
-            ref columns,
+            first_row,
+            n_out,
             ref mut block,
         } = *task;
-        f(output, rows.clone(), columns.clone(), block)
+        let rows = first_row..first_row + block.len() / n_out;
+        f(output, rows, 0..n_out, block)
     });
 }
 
-/// One task of `fill_row_runs`: output `output`'s `rows`, all its `columns`, in place.
+/// One task of `fill_row_runs`: output `output`'s rows from `first_row`, all of its `n_out`
+/// columns, in place.
 struct RowRun<'a> {
     output: usize,
-    rows: Range<usize>,
-    columns: Range<usize>,
+    first_row: usize,
+    n_out: usize,
     block: &'a mut [f32],
 }
 
@@ -202,12 +227,16 @@ mod tests {
     /// Both splits (column ranges for few rows, row runs for many) inline and pooled.
     #[test]
     fn fill_columns_writes_every_block_to_its_place() {
-        for rows in [3, 2 * ROW_TASKS_FROM + 5] {
+        for rows in [3, 4 * ROW_RUN + 5] {
             let n_outs = [10, 5];
             let run = || {
                 let mut outs: Vec<Vec<f32>> =
                     n_outs.iter().map(|n| vec![f32::NAN; rows * n]).collect();
-                fill_columns(&mut outs, rows, 4, |i, rows, columns, out| {
+                let split = Split {
+                    row_run: ROW_RUN,
+                    cols_per_task: 4,
+                };
+                fill_columns(&mut outs, rows, split, |i, rows, columns, out| {
                     assert_eq!(out.len(), rows.len() * columns.len());
                     for (r, row) in rows.zip(out.chunks_mut(columns.len())) {
                         for (c, v) in columns.clone().zip(row) {
@@ -226,6 +255,26 @@ mod tests {
                         .collect()
                 })
                 .collect();
+            assert_eq!(run(), expected, "{rows} rows inline");
+            let pool = StepPool::new(2, "test").unwrap();
+            assert_eq!(pool.enter(run), expected, "{rows} rows pooled");
+        }
+    }
+
+    /// Every row once, with its own index, inline and pooled, short and long inputs.
+    #[test]
+    fn for_each_row_run_visits_every_row_once_with_its_index() {
+        for rows in [3, ROW_RUN, 3 * ROW_RUN + 5] {
+            let run = || {
+                let mut x = vec![0f32; rows * 7];
+                for_each_row_run(&mut x, 7, |first, run| {
+                    for (r, row) in run.chunks_exact_mut(7).enumerate() {
+                        row.iter_mut().for_each(|v| *v += (first + r) as f32);
+                    }
+                });
+                x
+            };
+            let expected: Vec<f32> = (0..rows).flat_map(|r| [r as f32; 7]).collect();
             assert_eq!(run(), expected, "{rows} rows inline");
             let pool = StepPool::new(2, "test").unwrap();
             assert_eq!(pool.enter(run), expected, "{rows} rows pooled");

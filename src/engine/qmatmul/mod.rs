@@ -246,15 +246,25 @@ impl QWeight {
                         &quantized.iter().find(|(f, _)| *f == format).unwrap().1
                     })
                     .collect();
-                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, rows, columns, out| {
-                    int8::columns(kernel, int8[i], inputs[i], rows, columns.start, out)
-                });
+                parallel::fill_columns(
+                    &mut outs,
+                    rows,
+                    split(cols_per_task),
+                    |i, rows, columns, out| {
+                        int8::columns(kernel, int8[i], inputs[i], rows, columns.start, out)
+                    },
+                );
             }
             (_, Some(dense)) => {
-                parallel::fill_columns(&mut outs, rows, cols_per_task, |i, rows, columns, out| {
-                    let x = &x[rows.start * k_in..rows.end * k_in];
-                    dense::columns(kernel, dense[i], k_in, x, columns.start, out)
-                });
+                parallel::fill_columns(
+                    &mut outs,
+                    rows,
+                    split(cols_per_task),
+                    |i, rows, columns, out| {
+                        let x = &x[rows.start * k_in..rows.end * k_in];
+                        dense::columns(kernel, dense[i], k_in, x, columns.start, out)
+                    },
+                );
             }
             _ => {
                 for (w, out) in weights.iter().zip(&mut outs) {
@@ -291,7 +301,7 @@ impl QWeight {
         parallel::fill_columns(
             outs,
             rows,
-            self.columns_per_task(),
+            split(self.columns_per_task()),
             |_, rows, columns, out| {
                 let width = columns.len();
                 let x_quant = &x_quant[rows.start * row_blocks..rows.end * row_blocks];
@@ -337,6 +347,15 @@ fn typed<T: GgmlType>(bytes: &[u8]) -> Vec<T> {
 
 /// Columns handed to one task at least: enough work to amortise scheduling.
 const MIN_COLUMNS_PER_TASK: usize = 16;
+
+/// Tasks of a long input take the kernels' row chunks; those of a short one `cols_per_task`
+/// columns.
+fn split(cols_per_task: usize) -> parallel::Split {
+    parallel::Split {
+        row_run: int8::ROW_CHUNK,
+        cols_per_task,
+    }
+}
 
 #[cfg(test)]
 mod tests {
