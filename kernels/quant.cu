@@ -6,8 +6,8 @@
 // d_w·d_x·sum(q_w q_x) + offset_w · s_x.
 // Weights are stored per output column: a column's quant bytes are contiguous, block scales
 // (and offsets: Q4_1's and Q5_1's minimum, Q4_0's -8·d, Q5_0's -16·d, a K-quant block's
-// -dmin·m) are f32 arrays `[n_out, blocks_per_row]`; fifth bits one u32 per block (bit j for
-// element j).
+// -dmin·m) are f32 arrays `[n_out, blocks_per_row]` (Q6_K: one per half block, no offset);
+// fifth bits one u32 per block (bit j for element j).
 
 __device__ __forceinline__ float round_to_f16(float v) { return from_kv(to_kv(v)); }
 
@@ -157,6 +157,32 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
             dot = __dp4a(upper, x_row[b * 8 + 4 + i], dot);
         }
         acc += (float)dot * (w_scales[wb] * x_scales[xb]) + w_offsets[wb] * x_scaled_sums[xb];
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[(long long)row * n_out + col] = acc;
+}
+
+// out[row, col] over Q6_K weights: signed bytes as Q8_0's (q - 32), a scale per half block of
+// 16 elements (`w_first`, `w_second`), no offset; Q8_K activations (one scale per block here).
+extern "C" __global__ void qmatmul_q6_k(const signed char* w, const float* w_first,
+                                        const float* w_second, const signed char* xq,
+                                        const float* x_scales, float* out, int n_out,
+                                        int blocks_per_row) {
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int row = blockIdx.y, lane = threadIdx.x % 32;
+    if (col >= n_out) return;
+    const int* w_col = (const int*)(w + (long long)col * blocks_per_row * 32);
+    const int* x_row = (const int*)(xq + (long long)row * blocks_per_row * 32);
+    float acc = 0.0f;
+    for (int b = lane; b < blocks_per_row; b += 32) {
+        int first = 0, second = 0;
+        for (int i = 0; i < 4; i++) {
+            first = __dp4a(w_col[b * 8 + i], x_row[b * 8 + i], first);
+            second = __dp4a(w_col[b * 8 + 4 + i], x_row[b * 8 + 4 + i], second);
+        }
+        const long long wb = (long long)col * blocks_per_row + b;
+        const float x_scale = x_scales[(long long)row * blocks_per_row + b];
+        acc += (float)first * (w_first[wb] * x_scale) + (float)second * (w_second[wb] * x_scale);
     }
     acc = warp_sum(acc);
     if (lane == 0) out[(long long)row * n_out + col] = acc;

@@ -261,8 +261,9 @@ fn tiny_models_decode_on_the_gpu_as_on_the_cpu() {
     }
 }
 
-/// Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K run the integer-dot kernels on 8-bit
-/// activations on both sides (K-quant blocks span 256 inputs, hence a wider model for them).
+/// Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K run the integer-dot kernels on
+/// 8-bit activations on both sides (K-quant blocks span 256 inputs, hence a wider model for
+/// them).
 #[test]
 fn tiny_models_in_int8_formats_follow_the_cpu_on_the_gpu() {
     if !gpu_or_skip() {
@@ -284,7 +285,7 @@ fn tiny_models_in_int8_formats_follow_the_cpu_on_the_gpu() {
             assert_gpu_follows_cpu(&config, &config, tolerance, &what);
         }
     }
-    for dtype in [GgmlDType::Q4K, GgmlDType::Q5K] {
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
         let path = common::write_gguf(&dir.path().join("m.gguf"), &wide_spec(), dtype);
         let config = common::model_config("tiny", &path);
         let tolerance = common::INT8_ACTIVATION_TOLERANCE;
@@ -319,7 +320,6 @@ fn tiny_models_in_dense_gpu_formats_follow_the_cpu() {
         (GgmlDType::BF16, &narrow, common::INT8_ACTIVATION_TOLERANCE),
         (GgmlDType::Q2K, &wide, F32_TOLERANCE),
         (GgmlDType::Q3K, &wide, F32_TOLERANCE),
-        (GgmlDType::Q6K, &wide, F32_TOLERANCE),
     ];
     for (dtype, spec, tolerance) in cases {
         let path = common::write_gguf(&dir.path().join("m.gguf"), spec, dtype);

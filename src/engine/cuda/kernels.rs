@@ -96,6 +96,7 @@ kernels! {
     qmatmul_q8_0 in "quant.cu",
     qmatmul_q4 in "quant.cu",
     qmatmul_q5 in "quant.cu",
+    qmatmul_q6_k in "quant.cu",
     logit_stats in "sampling.cu",
     top_k in "sampling.cu",
 }

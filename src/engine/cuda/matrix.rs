@@ -1,6 +1,7 @@
 //! Weight matrices on the GPU. The CPU's integer-kernel formats (Q8_0, Q4_0, Q4_1, Q5_0,
-//! Q5_1, Q4_K, Q5_K) stay in blocks of 32 (the CPU path's repacking: quants per output
-//! column, f32 scales and offsets beside them; a K-quant block's are d · sc and −dmin · m)
+//! Q5_1, Q4_K, Q5_K, Q6_K) stay in blocks of 32 (the CPU path's repacking: quants per output
+//! column, f32 scales and offsets beside them; a K-quant block's are d · sc and −dmin · m, a
+//! Q6_K block's a d · sc per half)
 //! and run through the integer-dot kernels on 8-bit activations quantized by the CPU's rule
 //! for each format (`ActivationFormat`); bf16 matrices
 //! stay bf16 and run cuBLAS's tensor-core GEMM on activations rounded to bf16 (f32 sums and
@@ -22,6 +23,12 @@ enum Weights {
     Q8_0 {
         quants: CudaSlice<i8>,
         scales: CudaSlice<f32>,
+    },
+    /// Signed bytes with a scale per half block of 16.
+    Q6K {
+        quants: CudaSlice<i8>,
+        first: CudaSlice<f32>,
+        second: CudaSlice<f32>,
     },
     /// The nibble formats; Q5_0, Q5_1 and Q5_K with their fifth bits (`high`).
     Q4 {
@@ -54,33 +61,37 @@ struct QuantizedActivations {
 
 impl DeviceMatrix {
     pub fn upload(gpu: &Gpu, weight: &QWeight) -> EngineResult<Self> {
-        // Q6_K's half-block scales have no GPU kernel yet: dense like the other formats.
-        let integer = weight
-            .packed_int8()
-            .filter(|p| !p.format().has_split_scales());
+        let integer = weight.packed_int8();
         let activations = integer.map(|p| p.format().activation_format());
         let weights = match integer {
             Some(packed) => {
-                let (scales, offsets) = packed.scales_and_offsets();
-                let scales = gpu.upload(&scales)?;
+                let signed =
+                    || -> Vec<i8> { packed.block_quants().iter().map(|&b| b as i8).collect() };
                 match packed.format() {
-                    Int8Format::Q8_0 => {
-                        let quants: Vec<i8> =
-                            packed.block_quants().iter().map(|&b| b as i8).collect();
-                        Weights::Q8_0 {
-                            quants: gpu.upload(&quants)?,
-                            scales,
+                    Int8Format::Q6K => {
+                        let [first, second] = packed.half_block_scales();
+                        Weights::Q6K {
+                            quants: gpu.upload(&signed())?,
+                            first: gpu.upload(&first)?,
+                            second: gpu.upload(&second)?,
                         }
                     }
-                    format => Weights::Q4 {
-                        quants: gpu.upload(&packed.block_quants())?,
-                        high: match format.has_high_bits() {
-                            true => Some(gpu.upload(&packed.block_high_bits())?),
-                            false => None,
-                        },
-                        scales,
-                        offsets: gpu.upload(&offsets)?,
+                    Int8Format::Q8_0 => Weights::Q8_0 {
+                        quants: gpu.upload(&signed())?,
+                        scales: gpu.upload(&packed.scales_and_offsets().0)?,
                     },
+                    format => {
+                        let (scales, offsets) = packed.scales_and_offsets();
+                        Weights::Q4 {
+                            quants: gpu.upload(&packed.block_quants())?,
+                            high: match format.has_high_bits() {
+                                true => Some(gpu.upload(&packed.block_high_bits())?),
+                                false => None,
+                            },
+                            scales: gpu.upload(&scales)?,
+                            offsets: gpu.upload(&offsets)?,
+                        }
+                    }
                 }
             }
             None => match weight.bf16_bits() {
@@ -164,6 +175,28 @@ impl DeviceMatrix {
                     .arg(&n_out)
                     .arg(&blocks);
                 // SAFETY: quants hold n_out · k_in bytes, x holds rows · k_in quants.
+                unsafe { launch.launch(config) }.map_err(gpu_error)?;
+            }
+            (
+                Weights::Q6K {
+                    quants,
+                    first,
+                    second,
+                },
+                Some(x),
+            ) => {
+                let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q6_k);
+                launch
+                    .arg(quants)
+                    .arg(first)
+                    .arg(second)
+                    .arg(&x.quants)
+                    .arg(&x.scales)
+                    .arg(&mut out)
+                    .arg(&n_out)
+                    .arg(&blocks);
+                // SAFETY: quants hold n_out · k_in bytes and each half's scales one f32 per
+                // block, x holds rows · k_in quants.
                 unsafe { launch.launch(config) }.map_err(gpu_error)?;
             }
             (

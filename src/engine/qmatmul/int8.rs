@@ -486,7 +486,7 @@ impl PackedInt8 {
 
     /// Every block's scale and offset as f32, `[n_out, blocks_per_row]` each (weight =
     /// scale · q + offset; offsets are zero for Q8_0); Q6_K's blocks have two scales, so it
-    /// has none to give.
+    /// has none to give (`half_block_scales`).
     pub fn scales_and_offsets(&self) -> (Vec<f32>, Vec<f32>) {
         assert!(
             !self.format.has_split_scales(),
@@ -501,6 +501,21 @@ impl PackedInt8 {
             }
         }
         (scales, offsets)
+    }
+
+    /// Every block's scales of its first and second 16 elements as f32, `[n_out,
+    /// blocks_per_row]` each: Q6_K's weight = scale of its half · q (the others' halves share
+    /// one scale).
+    pub fn half_block_scales(&self) -> [Vec<f32>; 2] {
+        let (mut first, mut second) = (Vec::new(), Vec::new());
+        for col in 0..self.columns() {
+            let column = self.column(col);
+            for block in 0..self.blocks_per_row {
+                first.push(column.element_scale(block, 0));
+                second.push(column.element_scale(block, BLOCK / 2));
+            }
+        }
+        [first, second]
     }
 
     /// The weights as f32, row-major `[n_out, k_in]`.

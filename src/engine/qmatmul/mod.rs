@@ -616,6 +616,61 @@ mod tests {
         }
     }
 
+    /// What the GPU kernels read (`kernels/quant.cu`: block quants, fifth bits, per-block
+    /// scales and offsets, Q6_K's per-half scales) rebuilds every weight as the CPU's
+    /// dequantization has it, for each integer format, read the way each kernel reads it.
+    #[test]
+    fn the_gpu_upload_arrays_rebuild_every_weight() {
+        for dtype in INT8_FORMATS {
+            let (n, k) = (3, 512);
+            let dense = Tensor::from_vec(random(n * k, 21), (n, k), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&dense, dtype).unwrap();
+            let w = QWeight::from_qtensor("w", &q).unwrap();
+            let packed = w.packed_int8().unwrap();
+            let format = packed.format();
+            let quants = packed.block_quants();
+            let high = packed.block_high_bits();
+            let per_block: Vec<[f32; 3]> = match format.has_split_scales() {
+                true => {
+                    let [first, second] = packed.half_block_scales();
+                    first
+                        .iter()
+                        .zip(&second)
+                        .map(|(&a, &b)| [a, b, 0.0])
+                        .collect()
+                }
+                false => {
+                    let (scales, offsets) = packed.scales_and_offsets();
+                    scales
+                        .iter()
+                        .zip(&offsets)
+                        .map(|(&s, &o)| [s, s, o])
+                        .collect()
+                }
+            };
+            let rebuilt: Vec<f32> = (0..n * k / 32)
+                .flat_map(|b| {
+                    let [first, second, offset] = per_block[b];
+                    let (quants, high, signed) = (&quants, &high, format.has_signed_bytes());
+                    (0..32).map(move |e| {
+                        let q = match signed {
+                            true => quants[b * 32 + e] as i8 as i32,
+                            false => {
+                                let byte = quants[b * 16 + e % 16];
+                                let nibble = if e < 16 { byte & 0x0F } else { byte >> 4 };
+                                let fifth = high.get(b).map_or(0, |h| (h >> e & 1) << 4);
+                                (nibble as u32 | fifth) as i32
+                            }
+                        };
+                        let scale = if e < 16 { first } else { second };
+                        scale * q as f32 + offset
+                    })
+                })
+                .collect();
+            assert_eq!(rebuilt, w.dequantize(), "{dtype:?}");
+        }
+    }
+
     /// The repacking keeps every weight: our dequantization is candle's, up to the rounding
     /// of `scale · q + offset` against candle's `scale · (q − bias)`.
     #[test]
