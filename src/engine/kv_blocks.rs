@@ -122,4 +122,41 @@ mod tests {
         assert_eq!(keys[BLOCK_TOKENS..BLOCK_TOKENS + 3], [10.5, 11.5, 0.0]);
         assert_eq!(floats(&data.values(1, 0)[..4]), [-0.0, -0.5, -1.0, -1.5]);
     }
+
+    /// Decode attention reads these blocks in place (their layout is the one
+    /// `attention::HeadBlocks` takes) and gets the widened copy's floats.
+    #[test]
+    fn attention_reads_the_blocks_in_place_as_widened() {
+        use crate::engine::attention::{HeadBlocks, HeadRows, KvRows, Vectors};
+        let (layers, heads, hd) = (2, 2, 16);
+        let kv_dim = heads * hd;
+        let mut data = KvBlocks::new(layers, kv_dim);
+        let positions = BLOCK_TOKENS + 5;
+        let row = |p: usize, salt: usize| -> Vec<f32> {
+            (0..kv_dim)
+                .map(|c| ((p * 37 + c * 11 + salt) % 23) as f32 / 7.0 - 1.5)
+                .collect()
+        };
+        for p in 0..positions {
+            let (id, slot) = ((p / BLOCK_TOKENS) as BlockId + 3, p % BLOCK_TOKENS);
+            data.write(id, 1, slot, &row(p, 0), &row(p, 5));
+        }
+        let blocks = || {
+            [3, 4]
+                .into_iter()
+                .map(|id| (data.keys(id, 1), data.values(id, 1)))
+        };
+        let query: Vec<f32> = (0..hd).map(|d| (d as f32 * 0.3).cos()).collect();
+        for head in 0..heads {
+            let at = (kv_dim, head * hd);
+            let in_place = HeadBlocks::new(blocks(), at, hd, positions).expect("in place");
+            let widened = HeadRows::widen(blocks(), at, hd, positions);
+            let vectors = Vectors::detect();
+            let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
+            in_place.attend(vectors, 0.25, [(&query[..], positions, &mut a[..])]);
+            widened.attend(vectors, 0.25, [(&query[..], positions, &mut b[..])]);
+            assert_eq!(a, b, "head {head}");
+            assert!(a.iter().any(|&v| v != 0.0));
+        }
+    }
 }
