@@ -51,8 +51,7 @@ struct StepShape {
 }
 
 /// Each row's rope angles' cosines and sines, `[rows, head_dim / 2]` each: the same for
-/// every layer and for queries and keys, so computed once per step (a 512-token prompt
-/// had called `sin_cos` 30 · 2 times per row and frequency).
+/// every layer and for queries and keys, so computed once per step, not 2 · layers times.
 struct Rotations {
     cos: Vec<f32>,
     sin: Vec<f32>,
