@@ -107,7 +107,9 @@ pub unsafe trait KvRows {
     fn positions(&self) -> usize;
     /// `positions()` rounded up to a multiple of `POSITION_PAD` (keys past `positions()` are
     /// read and their scores never used).
-    fn padded(&self) -> usize;
+    fn padded(&self) -> usize {
+        self.positions().div_ceil(POSITION_PAD) * POSITION_PAD
+    }
     /// Distance from a key element's run to the next element's.
     fn key_stride(&self) -> usize;
     /// Element 0 of the keys of positions `p..`.
@@ -164,9 +166,6 @@ unsafe impl KvRows for HeadRows {
     fn positions(&self) -> usize {
         self.values.len() / self.head_dim
     }
-    fn padded(&self) -> usize {
-        self.padded
-    }
     fn key_stride(&self) -> usize {
         self.padded
     }
@@ -201,25 +200,27 @@ impl<'a> HeadBlocks<'a> {
         head_dim: usize,
         positions: usize,
     ) -> Option<Self> {
-        let blocks: Vec<(&[f16], &[f16])> = blocks.collect();
-        let block_rows = blocks.first()?.0.len() / stride;
-        if !block_rows.is_power_of_two() || !block_rows.is_multiple_of(POSITION_PAD) {
-            return None;
-        }
-        let needed = positions.div_ceil(block_rows);
-        if blocks.len() < needed
+        let mut blocks = blocks.peekable();
+        let block_rows = blocks.peek()?.0.len() / stride;
+        if !block_rows.is_power_of_two()
+            || !block_rows.is_multiple_of(POSITION_PAD)
             || offset + head_dim > stride
-            || blocks
-                .iter()
-                .any(|(k, v)| k.len() != stride * block_rows || v.len() != k.len())
         {
             return None;
         }
+        let needed = positions.div_ceil(block_rows);
+        let blocks: Vec<(&[f16], &[f16])> = blocks
+            .take(needed)
+            .map(|(k, v)| {
+                (k.len() == stride * block_rows && v.len() == k.len())
+                    .then(|| (&k[offset * block_rows..], &v[offset..]))
+            })
+            .collect::<Option<_>>()?;
+        if blocks.len() < needed {
+            return None;
+        }
         Some(Self {
-            blocks: blocks[..needed]
-                .iter()
-                .map(|(k, v)| (&k[offset * block_rows..], &v[offset..]))
-                .collect(),
+            blocks,
             shift: block_rows.trailing_zeros(),
             stride,
             head_dim,
@@ -238,9 +239,6 @@ unsafe impl KvRows for HeadBlocks<'_> {
     }
     fn positions(&self) -> usize {
         self.positions
-    }
-    fn padded(&self) -> usize {
-        self.positions.div_ceil(POSITION_PAD) * POSITION_PAD
     }
     fn key_stride(&self) -> usize {
         1 << self.shift
@@ -338,17 +336,16 @@ impl<S: KvRows> Pass<'_, S> {
         let (hd, padded) = (rows.head_dim(), rows.padded());
         let heads = queries.len() / hd;
         let scores = &mut scores[..heads * padded];
-        let keys = rows;
         // Accumulators per head and register set: `H · B` of them, plus `B` keys and one
         // query, fit 32 registers (AVX-512) or 16 (AVX2, where four per head would spill).
         match (heads, V::LANES >= 16) {
-            (1, _) => scores_for::<V, 1, 4, S>(queries, keys, hd, padded, scores),
-            (2, true) => scores_for::<V, 2, 4, S>(queries, keys, hd, padded, scores),
-            (3, true) => scores_for::<V, 3, 4, S>(queries, keys, hd, padded, scores),
-            (4, true) => scores_for::<V, 4, 3, S>(queries, keys, hd, padded, scores),
-            (2, false) => scores_for::<V, 2, 3, S>(queries, keys, hd, padded, scores),
-            (3, false) => scores_for::<V, 3, 2, S>(queries, keys, hd, padded, scores),
-            (4, false) => scores_for::<V, 4, 2, S>(queries, keys, hd, padded, scores),
+            (1, _) => scores_for::<V, 1, 4, S>(queries, rows, hd, padded, scores),
+            (2, true) => scores_for::<V, 2, 4, S>(queries, rows, hd, padded, scores),
+            (3, true) => scores_for::<V, 3, 4, S>(queries, rows, hd, padded, scores),
+            (4, true) => scores_for::<V, 4, 3, S>(queries, rows, hd, padded, scores),
+            (2, false) => scores_for::<V, 2, 3, S>(queries, rows, hd, padded, scores),
+            (3, false) => scores_for::<V, 3, 2, S>(queries, rows, hd, padded, scores),
+            (4, false) => scores_for::<V, 4, 2, S>(queries, rows, hd, padded, scores),
             _ => unreachable!("passes hold 1..={MAX_HEADS_PER_PASS} heads"),
         }
         for head in scores.chunks_exact_mut(padded) {

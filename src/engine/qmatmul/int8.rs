@@ -492,30 +492,36 @@ impl PackedInt8 {
             !self.format.has_split_scales(),
             "Q6_K has a scale per half block"
         );
-        let (mut scales, mut offsets) = (Vec::new(), Vec::new());
-        for col in 0..self.columns() {
-            let column = self.column(col);
-            for block in 0..self.blocks_per_row {
-                scales.push(column.scale(block));
-                offsets.push(column.offset(block));
-            }
-        }
-        (scales, offsets)
+        self.per_block(|column, block| (column.scale(block), column.offset(block)))
+            .into_iter()
+            .unzip()
     }
 
     /// Every block's scales of its first and second 16 elements as f32, `[n_out,
     /// blocks_per_row]` each: Q6_K's weight = scale of its half · q (the others' halves share
     /// one scale).
     pub fn half_block_scales(&self) -> [Vec<f32>; 2] {
-        let (mut first, mut second) = (Vec::new(), Vec::new());
-        for col in 0..self.columns() {
-            let column = self.column(col);
-            for block in 0..self.blocks_per_row {
-                first.push(column.element_scale(block, 0));
-                second.push(column.element_scale(block, BLOCK / 2));
-            }
-        }
+        let (first, second) = self
+            .per_block(|column, block| {
+                (
+                    column.element_scale(block, 0),
+                    column.element_scale(block, BLOCK / 2),
+                )
+            })
+            .into_iter()
+            .unzip();
         [first, second]
+    }
+
+    /// `f(column, block)` for every block, column after column: `[n_out, blocks_per_row]`.
+    fn per_block<T>(&self, f: impl Fn(&Column, usize) -> T) -> Vec<T> {
+        let f = &f;
+        (0..self.columns())
+            .flat_map(|col| {
+                let column = self.column(col);
+                (0..self.blocks_per_row).map(move |block| f(&column, block))
+            })
+            .collect()
     }
 
     /// The weights as f32, row-major `[n_out, k_in]`.
