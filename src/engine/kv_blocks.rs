@@ -147,11 +147,11 @@ mod tests {
                 .map(|id| (data.keys(id, 1), data.values(id, 1)))
         };
         let query: Vec<f32> = (0..hd).map(|d| (d as f32 * 0.3).cos()).collect();
+        let vectors = Vectors::detect();
         for head in 0..heads {
             let at = (kv_dim, head * hd);
             let in_place = HeadBlocks::new(blocks(), at, hd, positions).expect("in place");
             let widened = HeadRows::widen(blocks(), at, hd, positions);
-            let vectors = Vectors::detect();
             let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
             in_place.attend(vectors, 0.25, [(&query[..], positions, &mut a[..])]);
             widened.attend(vectors, 0.25, [(&query[..], positions, &mut b[..])]);
