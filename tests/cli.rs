@@ -118,6 +118,13 @@ fn bench_routing_on_the_simulated_pair_reports_every_mode_with_predictions_and_p
         assert_eq!(row["workload"], "agent");
         let predicted = &row["predicted_tokens_per_s"];
         assert_eq!(predicted.is_null(), row["mode"] == "lockstep", "{row}");
+        // 4 requests on 2 clients: a window with both in flight before the drain.
+        assert!(
+            row["all_in_flight_tokens_per_s"]
+                .as_f64()
+                .is_some_and(|rate| rate > 0.0),
+            "{row}"
+        );
         assert_eq!(row["per_model"].as_array().unwrap().len(), 2);
     }
     let llm_only = &rows[3];

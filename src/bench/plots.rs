@@ -119,11 +119,15 @@ fn throughput(rows: &[RoutingBenchRow], policy: &str, path: &Path) -> PlotResult
     Ok(())
 }
 
-/// One point per cell with a prediction; false when no cell has one.
+/// One point per cell with a prediction, measured while all N requests were in flight (the
+/// system the model describes) where the cell has that window; false when no cell has one.
 fn predicted_vs_measured(rows: &[RoutingBenchRow], path: &Path) -> PlotResult<bool> {
     let points: Vec<(f64, f64)> = rows
         .iter()
-        .filter_map(|r| r.predicted_tokens_per_s.map(|p| (p, r.tokens_per_s)))
+        .filter_map(|r| {
+            let measured = r.all_in_flight_tokens_per_s.unwrap_or(r.tokens_per_s);
+            r.predicted_tokens_per_s.map(|p| (p, measured))
+        })
         .collect();
     if points.is_empty() {
         return Ok(false);
@@ -143,7 +147,7 @@ fn predicted_vs_measured(rows: &[RoutingBenchRow], path: &Path) -> PlotResult<bo
     chart
         .configure_mesh()
         .x_desc("predicted tokens/s")
-        .y_desc("measured tokens/s")
+        .y_desc("measured tokens/s, all N in flight")
         .draw()?;
     chart.draw_series(LineSeries::new([(0.0, 0.0), (max, max)], BLACK.mix(0.4)))?;
     chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, BLUE.filled())))?;

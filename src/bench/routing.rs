@@ -136,6 +136,11 @@ pub struct RoutingBenchRow {
     pub output_tokens: usize,
     pub seconds: f64,
     pub tokens_per_s: f64,
+    /// Committed tokens per second while every client had a request in flight (from the
+    /// first submission to the last): the closed system of N requests the Markov model
+    /// describes, without the cell's drain, when fewer remain. None when the cell has no
+    /// more requests than clients.
+    pub all_in_flight_tokens_per_s: Option<f64>,
     /// The Markov model's throughput for this cell's measured routing, with L(b) fitted to
     /// the cell's steps (over the tokens they appended, see `fit_request_latency`); none for
     /// `lockstep`, which it does not model.
@@ -367,6 +372,9 @@ pub(super) struct Tally {
     latency_ms: Vec<f64>,
     /// Every inter-token gap: when it ended, and its length in ms.
     gaps: Vec<(Instant, f64)>,
+    /// When each request was submitted, and when each token arrived.
+    submitted: Vec<Instant>,
+    token_times: Vec<Instant>,
     /// When the long prompt was sent and when its request ended.
     long_prompt_window: Option<(Instant, Instant)>,
 }
@@ -375,6 +383,8 @@ impl Tally {
     /// Request `i`, sent at `sent` and ended at `ended`, completed with `f`.
     pub fn record(&mut self, i: usize, sent: Instant, ended: Instant, f: Followed) {
         self.completed += 1;
+        self.submitted.push(sent);
+        self.token_times.extend_from_slice(&f.times);
         self.tokens += f.tokens.len();
         self.handoffs += f.routing.handoffs;
         let models = f.routing.tokens_per_model.len();
@@ -396,6 +406,26 @@ impl Tally {
                 .push((pair[1], (pair[1] - pair[0]).as_secs_f64() * 1e3));
         }
         self.outputs.push((i, f.tokens));
+    }
+
+    /// Request sent at `sent` failed.
+    pub fn fail(&mut self, sent: Instant) {
+        self.failed += 1;
+        self.submitted.push(sent);
+    }
+
+    /// Tokens per second between the first submission and the last (see
+    /// `RoutingBenchRow::all_in_flight_tokens_per_s`).
+    fn all_in_flight_tokens_per_s(&self) -> Option<f64> {
+        let first = self.submitted.iter().min()?;
+        let last = self.submitted.iter().max()?;
+        let tokens = self
+            .token_times
+            .iter()
+            .filter(|&&at| at >= *first && at <= *last)
+            .count();
+        let seconds = (*last - *first).as_secs_f64();
+        (tokens > 0 && seconds > 0.0).then(|| tokens as f64 / seconds)
     }
 }
 
@@ -524,7 +554,7 @@ async fn closed_loop(
             let mut t = tally.borrow_mut();
             match result {
                 Ok(f) => t.record(i, sent, ended, f),
-                Err(_) => t.failed += 1,
+                Err(_) => t.fail(sent),
             }
         }
     })
@@ -815,6 +845,7 @@ impl CellId<'_> {
             output_tokens: t.tokens,
             seconds,
             tokens_per_s: t.tokens as f64 / seconds,
+            all_in_flight_tokens_per_s: t.all_in_flight_tokens_per_s(),
             predicted_tokens_per_s: None,
             predicted_from_profiles_tokens_per_s: None,
             handoffs_per_100_tokens: 100.0 * t.handoffs as f64 / t.tokens.max(1) as f64,
@@ -862,7 +893,7 @@ fn shares(values: &[(String, f64)]) -> String {
 
 pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "| policy | workload | mode | N | round | done | failed | tokens/s | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---:|---|---|---:|---:|\n",
+        "| policy | workload | mode | N | round | done | failed | tokens/s | all N in flight | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---:|---|---|---:|---:|\n",
     );
     for r in rows {
         let per_model = |f: fn(&ModelCell) -> f64, digits: usize| {
@@ -873,7 +904,7 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
                 .join(" / ")
         };
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} / {} | {} | {:.1} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} / {:.1} | {} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} / {} | {} | {:.1} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} / {:.1} | {} | {:.0} |\n",
             r.policy,
             serde_json::to_value(r.workload).map_or(String::new(), |v| v.as_str().unwrap_or("").to_string()),
             r.mode,
@@ -882,6 +913,7 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
             r.completed,
             r.failed,
             r.tokens_per_s,
+            optional(r.all_in_flight_tokens_per_s, ""),
             optional(r.predicted_tokens_per_s, ""),
             optional(r.predicted_from_profiles_tokens_per_s, ""),
             shares(&r.token_share),
@@ -946,7 +978,7 @@ std-serving, time per committed token (ms, summed over its calls; a step shared 
 /// against the other modes (ratios of the medians).
 pub fn summary(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "\n| policy | N | mode | rounds | tokens/s median (min–max) | predicted: cell L / profiles | TTFT p50 ms | ITL p50 / p99 ms | long-prompt gap |\n|---|---:|---|---:|---|---|---:|---|---:|\n",
+        "\n| policy | N | mode | rounds | tokens/s median (min–max) | all N in flight | predicted: cell L / profiles | TTFT p50 ms | ITL p50 / p99 ms | long-prompt gap |\n|---|---:|---|---:|---|---:|---|---:|---|---:|\n",
     );
     let mut groups: Vec<(&str, usize)> = rows
         .iter()
@@ -981,8 +1013,9 @@ pub fn summary(rows: &[RoutingBenchRow]) -> String {
             let median_tps = med(tps.clone()).unwrap_or(0.0);
             medians.push((mode, median_tps));
             out += &format!(
-                "| {policy} | {n} | {mode} | {} | {median_tps:.1} ({lo:.1}–{hi:.1}) | {} / {} | {:.0} | {} / {} | {} |\n",
+                "| {policy} | {n} | {mode} | {} | {median_tps:.1} ({lo:.1}–{hi:.1}) | {} | {} / {} | {:.0} | {} / {} | {} |\n",
                 cells.len(),
+                optional(pick(|r| r.all_in_flight_tokens_per_s), ""),
                 optional(pick(|r| r.predicted_tokens_per_s), ""),
                 optional(pick(|r| r.predicted_from_profiles_tokens_per_s), ""),
                 pick(|r| Some(r.ttft_ms_median)).unwrap_or(0.0),
@@ -1115,5 +1148,39 @@ mod tests {
         assert_eq!(BenchMode::LlmOnly.with_remote_twin().len(), 1);
         let err = "fast-remote".parse::<BenchMode>().unwrap_err();
         assert!(err.contains("before -remote"), "{err}");
+    }
+
+    fn followed(times: Vec<Instant>) -> Followed {
+        Followed {
+            tokens: vec![1; times.len()],
+            routing: RoutingStats::default(),
+            times,
+        }
+    }
+
+    #[test]
+    fn all_in_flight_rate_counts_tokens_between_the_first_and_last_submission() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut tally = Tally::default();
+        // Two clients: requests 0 and 1 start together, 2 replaces 0 at 400 ms; after that
+        // only the drain remains (tokens at 900 and 1000 ms are not counted).
+        tally.record(0, at(0), at(400), followed(vec![at(100), at(200), at(400)]));
+        tally.record(
+            1,
+            at(0),
+            at(1000),
+            followed(vec![at(150), at(300), at(1000)]),
+        );
+        tally.record(2, at(400), at(900), followed(vec![at(400), at(900)]));
+        let rate = tally.all_in_flight_tokens_per_s().unwrap();
+        assert!((rate - 6.0 / 0.4).abs() < 1e-6, "{rate}");
+        assert!(tally.tokens as f64 / 1.0 < rate);
+
+        // As many requests as clients: no window with all of them in flight.
+        let mut together = Tally::default();
+        together.record(0, at(0), at(400), followed(vec![at(100), at(400)]));
+        together.fail(at(0));
+        assert_eq!(together.all_in_flight_tokens_per_s(), None);
     }
 }

@@ -352,7 +352,7 @@ pub(super) fn run_cell(servers: &Servers, cell: Cell) -> (Tally, Breakdown) {
                         Ok(followed) => t.record(i, sent, ended, followed),
                         Err(e) => {
                             tracing::warn!("std-serving request {i}: {e}");
-                            t.failed += 1;
+                            t.fail(sent);
                         }
                     }
                 }
