@@ -146,8 +146,8 @@ pub struct RoutingBenchRow {
     /// `lockstep`, which it does not model.
     pub predicted_tokens_per_s: Option<f64>,
     /// The same with L(b) from the models' step profiles (as `tokenrouter tune` uses them),
-    /// each prompt or catch-up token beyond a row's first priced at the profile's prefill
-    /// rate.
+    /// each prompt or catch-up token beyond a request step's first priced at the profile's
+    /// prefill rate.
     pub predicted_from_profiles_tokens_per_s: Option<f64>,
     pub handoffs_per_100_tokens: f64,
     /// Share of output tokens each model wrote, by model name.
@@ -188,6 +188,7 @@ struct Snapshot {
     at: Instant,
     steps: Vec<u64>,
     rows: Vec<u64>,
+    chunked_rows: Vec<u64>,
     admission_us: Vec<u64>,
     admissions: Vec<u64>,
     routed: Vec<Vec<u64>>,
@@ -205,6 +206,7 @@ impl Snapshot {
             at: Instant::now(),
             steps: each(|m| m.steps),
             rows: each(|m| m.rows_stepped),
+            chunked_rows: each(|m| m.chunked_rows),
             admission_us: each(|m| m.admission_delay_total.as_micros() as u64),
             admissions: each(|m| m.admissions),
             routed,
@@ -312,6 +314,13 @@ fn predicted(
         routing,
         commits,
     } = cell_routing(before, after)?;
+    // The model's request steps are the rows that yield a candidate; a row that appends only
+    // a chunk of its prompt or catch-up is not one, so every row's tokens are priced on them.
+    let completing = |i: usize| {
+        let rows = after.rows[i] - before.rows[i];
+        let chunked = after.chunked_rows[i] - before.chunked_rows[i];
+        rows.saturating_sub(chunked).max(1) as f64
+    };
     let latency = match source {
         LatencySource::CellSteps => {
             let snapshot = runtime.snapshot();
@@ -324,7 +333,8 @@ fn predicted(
                         .filter(|s| s.start >= before.at)
                         .map(|s| s.request_sample())
                         .collect();
-                    fit_request_latency(&samples, None)
+                    let rows = (after.rows[i] - before.rows[i]).max(1) as f64;
+                    fit_request_latency(&samples, None, completing(i) / rows)
                 })
                 .collect::<Option<Vec<_>>>()?
         }
@@ -332,12 +342,12 @@ fn predicted(
             .iter()
             .map(|&i| {
                 let cost = costs.get(i).copied().flatten()?;
-                let rows = (after.rows[i] - before.rows[i]).max(1) as f64;
+                let steps = completing(i);
                 let tokens = (after.tokens_processed[i] - before.tokens_processed[i]) as f64;
-                let extra_per_row = (tokens - rows).max(0.0) / rows;
+                let extra_per_step = (tokens - steps).max(0.0) / steps;
                 Some(AffineLatency {
                     a_ms: cost.a_ms,
-                    c_ms: cost.c_ms + cost.prefill_ms_per_token.unwrap_or(0.0) * extra_per_row,
+                    c_ms: cost.c_ms + cost.prefill_ms_per_token.unwrap_or(0.0) * extra_per_step,
                 })
             })
             .collect::<Option<Vec<_>>>()?,

@@ -144,7 +144,11 @@ impl TunerActor {
                     .iter()
                     .map(|s| s.request_sample())
                     .collect();
-                fit_request_latency(&samples, *prior)
+                let completing = m.read(|f| {
+                    f.rows_stepped.saturating_sub(f.chunked_rows) as f64
+                        / f.rows_stepped.max(1) as f64
+                });
+                fit_request_latency(&samples, *prior, completing)
             })
             .collect::<Option<Vec<_>>>()?;
         let models = latency.len();

@@ -122,29 +122,32 @@ pub fn fit_latency(
 }
 
 /// L(b) per request-step from `(rows, tokens, ms)` step samples: least squares a + c_t·tokens,
-/// then c = c_t × the mean tokens per row. A row appends its unseen tokens (a prompt chunk, a
-/// handoff's catch-up), not one; a fit over rows alone charges that work to the intercept,
-/// which makes waiting for a fuller batch look cheaper than it is. The prior (per decode row)
-/// is converted the same way.
+/// then c = c_t × the tokens per request step. A row appends its unseen tokens (a prompt
+/// chunk, a handoff's catch-up), not one; a fit over rows alone charges that work to the
+/// intercept, which makes waiting for a fuller batch look cheaper than it is. Only rows that
+/// append all their unseen tokens yield a candidate (the model's request steps): `completing`
+/// is their share of the rows, and every row's tokens are priced on them. The prior (per
+/// decode row) is converted the same way.
 pub fn fit_request_latency(
     samples: &[(usize, usize, f64)],
     prior: Option<AffineLatency>,
+    completing: f64,
 ) -> Option<AffineLatency> {
     let rows: usize = samples.iter().map(|s| s.0).sum();
     let tokens: usize = samples.iter().map(|s| s.1).sum();
     if rows == 0 {
         return prior;
     }
-    let per_row = tokens as f64 / rows as f64;
+    let per_step = tokens as f64 / (rows as f64 * completing.clamp(f64::EPSILON, 1.0));
     let prior_per_token = prior.map(|p| AffineLatency {
         a_ms: p.a_ms,
-        c_ms: p.c_ms / per_row,
+        c_ms: p.c_ms / per_step,
     });
     let by_tokens: Vec<(usize, f64)> = samples.iter().map(|&(_, t, ms)| (t, ms)).collect();
     let fit = fit_latency(&by_tokens, prior_per_token)?;
     Some(AffineLatency {
         a_ms: fit.a_ms,
-        c_ms: fit.c_ms * per_row,
+        c_ms: fit.c_ms * per_step,
     })
 }
 
@@ -160,13 +163,17 @@ mod tests {
             .iter()
             .map(|&(rows, tokens)| (rows, tokens, 5.0 + 2.0 * tokens as f64))
             .collect();
-        let fit = fit_request_latency(&samples, None).unwrap();
+        let fit = fit_request_latency(&samples, None, 1.0).unwrap();
         let per_row = 65.0 / 17.0;
         assert!((fit.a_ms - 5.0).abs() < 1e-9, "{fit:?}");
         assert!((fit.c_ms - 2.0 * per_row).abs() < 1e-9, "{fit:?}");
         // By rows, the chunks land in the intercept.
         let by_rows: Vec<(usize, f64)> = samples.iter().map(|&(r, _, ms)| (r, ms)).collect();
         assert!(fit_latency(&by_rows, None).unwrap().a_ms > 20.0);
+        // Two of the 17 rows appended a chunk and yielded no candidate: the 65 tokens are
+        // priced on the 15 request steps, so the model still pays for all of them.
+        let fit = fit_request_latency(&samples, None, 15.0 / 17.0).unwrap();
+        assert!((fit.c_ms - 2.0 * 65.0 / 15.0).abs() < 1e-9, "{fit:?}");
     }
 
     #[test]
