@@ -166,6 +166,11 @@ pub struct RoutingBenchRow {
     /// With `--long-prompt`: the largest gap of the other requests while the long prompt
     /// was prefilled, over their median gap.
     pub long_prompt_gap_ratio: Option<f64>,
+    /// The same over an equally long stretch after the long prompt's request ended (cut at
+    /// the cell's end): the gaps the requests see without it (waits for another model's
+    /// step, in the routed modes). The stretch before it would hold the cell's start, where
+    /// every request's first catch-up runs.
+    pub gap_ratio_after_long_prompt: Option<f64>,
     /// `tokenrouter` mode: the tuner's eager check at the cell's end (each arm's smoothed
     /// tokens/s and the arm in force).
     pub controller: Option<ArmComparison>,
@@ -482,21 +487,25 @@ fn long_prompt(prompts: &[Vec<u32>], tokens: usize) -> Vec<u32> {
         .collect()
 }
 
-/// The largest gap ending while the long prompt ran, over the median of all gaps.
-fn long_prompt_gap_ratio(tally: &Tally) -> Option<f64> {
+/// The largest gap ending while the long prompt ran, and the largest ending in an equally
+/// long stretch after it, each over the median of all gaps.
+fn long_prompt_gap_ratios(tally: &Tally) -> Option<(f64, f64)> {
     let (start, end) = tally.long_prompt_window?;
     let mut all: Vec<f64> = tally.gaps.iter().map(|&(_, ms)| ms).collect();
     if all.is_empty() {
         return None;
     }
     let typical = median(&mut all);
-    let worst = tally
-        .gaps
-        .iter()
-        .filter(|&&(at, _)| at > start && at <= end)
-        .map(|&(_, ms)| ms)
-        .fold(0.0, f64::max);
-    Some(worst / typical)
+    let largest = |from: Instant, to: Instant| {
+        tally
+            .gaps
+            .iter()
+            .filter(|&&(at, _)| at > from && at <= to)
+            .map(|&(_, ms)| ms)
+            .fold(0.0, f64::max)
+            / typical
+    };
+    Some((largest(start, end), largest(end, end + (end - start))))
 }
 
 /// Fraction of the reference's positions where `output` has the same token.
@@ -866,7 +875,8 @@ impl CellId<'_> {
                 .collect(),
             agreement_with_reference: (!agreements.is_empty())
                 .then(|| agreements.iter().sum::<f64>() / agreements.len() as f64),
-            long_prompt_gap_ratio: long_prompt_gap_ratio(&t),
+            long_prompt_gap_ratio: long_prompt_gap_ratios(&t).map(|(during, _)| during),
+            gap_ratio_after_long_prompt: long_prompt_gap_ratios(&t).map(|(_, after)| after),
             controller: None,
             ttft_ms_median: med(&mut t.ttft_ms),
             ttft_ms_p99: quantile(&t.ttft_ms, 0.99).unwrap_or(0.0),
@@ -889,6 +899,14 @@ fn median_and_p99_us(durations: &[Duration]) -> Option<(f64, f64)> {
     Some((quantile(&us, 0.5)?, quantile(&us, 0.99)?))
 }
 
+/// The long-prompt gap with the one after it: `8.7× (9.1×)`.
+fn gap_ratios(during: Option<f64>, after: Option<f64>) -> String {
+    match (during, after) {
+        (Some(during), Some(after)) => format!("{during:.1}× ({after:.1}×)"),
+        (during, _) => optional(during, "×"),
+    }
+}
+
 fn optional(value: Option<f64>, suffix: &str) -> String {
     value.map_or("–".to_string(), |v| format!("{v:.1}{suffix}"))
 }
@@ -903,7 +921,7 @@ fn shares(values: &[(String, f64)]) -> String {
 
 pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "| policy | workload | mode | N | round | done | failed | tokens/s | all N in flight | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---:|---|---|---:|---:|\n",
+        "| policy | workload | mode | N | round | done | failed | tokens/s | all N in flight | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap (after it) | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---:|---|---|---:|---:|\n",
     );
     for r in rows {
         let per_model = |f: fn(&ModelCell) -> f64, digits: usize| {
@@ -936,7 +954,7 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
             r.ttft_ms_p99,
             r.itl_ms_median,
             r.itl_ms_p99,
-            optional(r.long_prompt_gap_ratio, "×"),
+            gap_ratios(r.long_prompt_gap_ratio, r.gap_ratio_after_long_prompt),
             r.latency_ms_median
         );
     }
@@ -988,7 +1006,7 @@ std-serving, time per committed token (ms, summed over its calls; a step shared 
 /// against the other modes (ratios of the medians).
 pub fn summary(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "\n| policy | N | mode | rounds | tokens/s median (min–max) | all N in flight | predicted: cell L / profiles | TTFT p50 ms | ITL p50 / p99 ms | long-prompt gap |\n|---|---:|---|---:|---|---:|---|---:|---|---:|\n",
+        "\n| policy | N | mode | rounds | tokens/s median (min–max) | all N in flight | predicted: cell L / profiles | TTFT p50 ms | ITL p50 / p99 ms | long-prompt gap (after it) |\n|---|---:|---|---:|---|---:|---|---:|---|---:|\n",
     );
     let mut groups: Vec<(&str, usize)> = rows
         .iter()
@@ -1031,7 +1049,10 @@ pub fn summary(rows: &[RoutingBenchRow]) -> String {
                 pick(|r| Some(r.ttft_ms_median)).unwrap_or(0.0),
                 optional(pick(|r| Some(r.itl_ms_median)), ""),
                 optional(pick(|r| Some(r.itl_ms_p99)), ""),
-                optional(pick(|r| r.long_prompt_gap_ratio), "×"),
+                gap_ratios(
+                    pick(|r| r.long_prompt_gap_ratio),
+                    pick(|r| r.gap_ratio_after_long_prompt)
+                ),
             );
         }
         let bus_figures = |what: &str, figure: fn(&RoutingBenchRow) -> Option<(f64, f64)>| {
@@ -1166,6 +1187,30 @@ mod tests {
             routing: RoutingStats::default(),
             times,
         }
+    }
+
+    #[test]
+    fn long_prompt_gaps_are_compared_with_an_equally_long_stretch_after_it() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut tally = Tally {
+            gaps: [
+                (100, 90.0),
+                (500, 10.0),
+                (600, 30.0),
+                (800, 10.0),
+                (900, 50.0),
+            ]
+            .map(|(ms, gap)| (at(ms), gap))
+            .to_vec(),
+            long_prompt_window: Some((at(400), at(700))),
+            ..Tally::default()
+        };
+        // Median gap 30 ms: 30 ms during the prompt, 50 ms in the 300 ms after it (the
+        // start's 90 ms in neither).
+        assert_eq!(long_prompt_gap_ratios(&tally), Some((1.0, 50.0 / 30.0)));
+        tally.long_prompt_window = None;
+        assert_eq!(long_prompt_gap_ratios(&tally), None);
     }
 
     #[test]
