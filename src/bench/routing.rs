@@ -142,8 +142,10 @@ pub struct RoutingBenchRow {
     /// more requests than clients.
     pub all_in_flight_tokens_per_s: Option<f64>,
     /// The Markov model's throughput for this cell's measured routing, with L(b) fitted to
-    /// the cell's steps (over the tokens they appended, see `fit_request_latency`); none for
-    /// `lockstep`, which it does not model.
+    /// the cell's steps (over the tokens they appended, see `fit_request_latency`), for the
+    /// requests decoding on average: N less the share of request time before the first
+    /// token (queueing and prefill, which the model does not describe); none for `lockstep`,
+    /// which it does not model.
     pub predicted_tokens_per_s: Option<f64>,
     /// The same with L(b) from the models' step profiles (as `tokenrouter tune` uses them),
     /// each prompt or catch-up token beyond a request step's first priced at the profile's
@@ -302,11 +304,12 @@ enum LatencySource<'a> {
     Profiles(&'a [Option<StepCost>]),
 }
 
-/// The Markov model's throughput for the cell.
+/// The Markov model's throughput for the cell with `decoding` requests on average (between
+/// whole counts, interpolated).
 fn predicted(
     runtime: &Runtime,
     mode: BenchMode,
-    n: usize,
+    decoding: f64,
     timeout: Duration,
     (before, after): (&Snapshot, &Snapshot),
     source: LatencySource,
@@ -370,7 +373,18 @@ fn predicted(
         delta_ms: PREDICTION_DELTA_MS,
         timeout_ms: vec![delayed.then_some(timeout.as_secs_f64() * 1e3); visited.len()],
     };
-    predict(&model, n, &thresholds).ok().map(|p| p.throughput)
+    let at = |n: usize| {
+        let thresholds: Vec<usize> = thresholds.iter().map(|&t| t.min(n)).collect();
+        predict(&model, n, &thresholds).ok().map(|p| p.throughput)
+    };
+    let below = decoding.floor().max(1.0);
+    let fraction = (decoding - below).clamp(0.0, 1.0);
+    let low = at(below as usize)?;
+    if fraction == 0.0 {
+        return Some(low);
+    }
+    let high = at(below as usize + 1).unwrap_or(low);
+    Some(low + (high - low) * fraction)
 }
 
 /// A cell's requests as their clients saw them.
@@ -421,6 +435,19 @@ impl Tally {
                 .push((pair[1], (pair[1] - pair[0]).as_secs_f64() * 1e3));
         }
         self.outputs.push((i, f.tokens));
+    }
+
+    /// The share of its requests' time spent after their first token: before it a request
+    /// queues and prefills, which the Markov model (every request decoding) does not
+    /// describe. 1 without any request.
+    fn decoding_share(&self) -> f64 {
+        let total: f64 = self.latency_ms.iter().sum();
+        let before_first: f64 = self.ttft_ms.iter().sum();
+        if total > 0.0 {
+            (1.0 - before_first / total).clamp(0.0, 1.0)
+        } else {
+            1.0
+        }
     }
 
     /// Request sent at `sent` failed.
@@ -741,13 +768,14 @@ pub async fn run(
                             let seconds = (after.at - before.at).as_secs_f64();
                             // A remote model's steps are not recorded here.
                             let remote = matches!(mode, BenchMode::Remote(_));
+                            let decoding = concurrency as f64 * t.decoding_share();
                             let prediction = |source| {
                                 (!remote)
                                     .then(|| {
                                         predicted(
                                             runtime,
                                             mode,
-                                            concurrency,
+                                            decoding,
                                             timeout,
                                             (&before, &after),
                                             source,
@@ -1230,6 +1258,13 @@ mod tests {
         tally.record(2, at(400), at(900), followed(vec![at(400), at(900)]));
         let rate = tally.all_in_flight_tokens_per_s().unwrap();
         assert!((rate - 6.0 / 0.4).abs() < 1e-6, "{rate}");
+        // 100 + 150 + 0 ms before a first token of 400 + 1000 + 500 ms.
+        let decoding = tally.decoding_share();
+        assert!(
+            (decoding - (1.0 - 250.0 / 1900.0)).abs() < 1e-9,
+            "{decoding}"
+        );
+        assert_eq!(Tally::default().decoding_share(), 1.0);
         assert!(tally.tokens as f64 / 1.0 < rate);
 
         // As many requests as clients: no window with all of them in flight.
