@@ -868,6 +868,7 @@ impl CellId<'_> {
     ) -> RoutingBenchRow {
         let med = |v: &mut Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
         let gaps: Vec<f64> = t.gaps.iter().map(|&(_, ms)| ms).collect();
+        let long_prompt_gaps = long_prompt_gap_ratios(&t);
         t.outputs.sort();
         let mut digest = std::collections::hash_map::DefaultHasher::new();
         t.outputs.hash(&mut digest);
@@ -903,8 +904,8 @@ impl CellId<'_> {
                 .collect(),
             agreement_with_reference: (!agreements.is_empty())
                 .then(|| agreements.iter().sum::<f64>() / agreements.len() as f64),
-            long_prompt_gap_ratio: long_prompt_gap_ratios(&t).map(|(during, _)| during),
-            gap_ratio_after_long_prompt: long_prompt_gap_ratios(&t).map(|(_, after)| after),
+            long_prompt_gap_ratio: long_prompt_gaps.map(|(during, _)| during),
+            gap_ratio_after_long_prompt: long_prompt_gaps.map(|(_, after)| after),
             controller: None,
             ttft_ms_median: med(&mut t.ttft_ms),
             ttft_ms_p99: quantile(&t.ttft_ms, 0.99).unwrap_or(0.0),
