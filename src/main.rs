@@ -323,6 +323,11 @@ struct BenchRoutingArgs {
     /// Device for every model (`cpu` or `cuda:N`), overriding the config's `device`.
     #[arg(long)]
     device: Option<tokenrouter::config::ModelDevice>,
+    /// Price the profile prediction with each model's step profile measured in this process
+    /// (as `bench engine` measures it) before and after every cell, instead of the
+    /// configured profiles: on a machine whose speed drifts, the shipped ones go stale.
+    #[arg(long)]
+    profile_steps: bool,
     #[arg(long)]
     json: bool,
     /// Write SVG plots into this directory.
@@ -967,6 +972,7 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         rounds: args.rounds,
         workload: args.workload,
         long_prompt: args.long_prompt,
+        profile_steps: args.profile_steps,
     };
     let rows = actix::System::new()
         .block_on(async move { bench::routing::run(&config, &settings).await })?;

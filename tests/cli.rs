@@ -145,6 +145,65 @@ fn bench_routing_on_the_simulated_pair_reports_every_mode_with_predictions_and_p
     }
 }
 
+/// `--profile-steps` measures each model's step profile around every cell: a config without
+/// profiles then gets a profile-priced prediction, and each model's steps are set beside what
+/// the profile prices them at.
+#[test]
+fn bench_routing_with_profiled_steps_prices_every_routed_cell() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::server::write_tiny_config(dir.path(), 0.5);
+    let routing = |extra: &[&str]| {
+        let mut args = vec!["bench", "routing", "--config", config.to_str().unwrap()];
+        args.extend_from_slice(&["--policy", "r2r", "--mode", "async,llm-only"]);
+        args.extend_from_slice(&["--concurrency", "2", "--requests", "4", "--max-tokens", "6"]);
+        args.extend_from_slice(&["--workload", "long", "--json"]);
+        args.extend_from_slice(extra);
+        let out = tokenrouter(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    for row in routing(&[]).as_array().unwrap() {
+        assert!(
+            row["predicted_from_profiles_tokens_per_s"].is_null(),
+            "{row}"
+        );
+        assert!(row["measured_profiles"].is_null(), "{row}");
+    }
+    for row in routing(&["--profile-steps"]).as_array().unwrap() {
+        assert!(
+            row["predicted_from_profiles_tokens_per_s"]
+                .as_f64()
+                .is_some_and(|p| p > 0.0),
+            "{row}"
+        );
+        let measured = row["measured_profiles"].as_array().unwrap();
+        assert_eq!(measured.len(), 2, "{row}");
+        for (_, profile) in measured.iter().map(|m| (&m[0], &m[1])) {
+            assert!(profile["a_ms"].as_f64().unwrap() >= 0.0, "{row}");
+            assert!(
+                profile["prefill_ms_per_token"].as_f64().unwrap() > 0.0,
+                "{row}"
+            );
+        }
+        for model in row["per_model"].as_array().unwrap() {
+            if model["steps"] == 0 {
+                continue;
+            }
+            assert!(model["step_ms_mean"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(
+                model["profile_step_ms_mean"].as_f64().unwrap() > 0.0,
+                "{row}"
+            );
+            let busy = model["busy_share"].as_f64().unwrap();
+            assert!(busy > 0.0 && busy <= 1.05, "{row}");
+        }
+    }
+}
+
 /// `bench engine --json` writes the step-latency fit; a config naming it as a model's
 /// `step_profile` feeds it to `tune` (no `[tuning] latency_ms`); the concurrent mode reports
 /// both models; a file that is not a report is refused with the field named.

@@ -7,7 +7,8 @@ use super::median;
 use serde::Serialize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
-use tokenrouter::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::config::{Config, StepCost};
+use tokenrouter::engine::{load_executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use tokenrouter::error::EngineResult;
 use tokenrouter::tuning::online::fit_latency;
 
@@ -50,6 +51,58 @@ pub struct EngineBenchSettings {
     pub steps: usize,
     pub context: usize,
     pub prefill_tokens: usize,
+}
+
+impl Default for EngineBenchSettings {
+    /// `bench engine`'s defaults, which the shipped step profiles were measured with.
+    fn default() -> Self {
+        Self {
+            batches: vec![1, 2, 4, 8, 16],
+            steps: 16,
+            context: 64,
+            prefill_tokens: 512,
+        }
+    }
+}
+
+/// Step profiles measured in this process, as `bench engine --json` measures them (without
+/// the bandwidth probe): a model's own copy, stepped while nothing else runs.
+pub struct Profiler {
+    /// By config model index; `None` for a simulated model (its profile is configured).
+    executors: Vec<Option<Box<dyn StepExecutor>>>,
+}
+
+impl Profiler {
+    pub fn load(config: &Config) -> anyhow::Result<Self> {
+        let executors = config
+            .models
+            .iter()
+            .map(|model| match model.latency_profile_ms {
+                Some(_) => Ok(None),
+                None => load_executor(model).map(Some),
+            })
+            .collect::<EngineResult<_>>()?;
+        Ok(Self { executors })
+    }
+
+    /// Each model's step cost now, by config model index (`None` for a simulated model).
+    pub fn measure(&mut self) -> EngineResult<Vec<Option<StepCost>>> {
+        let settings = EngineBenchSettings::default();
+        self.executors
+            .iter_mut()
+            .map(|executor| {
+                let Some(executor) = executor else {
+                    return Ok(None);
+                };
+                let (_, fit, prefill) = steps_and_prefill(executor.as_mut(), &settings)?;
+                Ok(Some(StepCost {
+                    a_ms: fit.a_ms,
+                    c_ms: fit.c_ms,
+                    prefill_ms_per_token: Some(prefill.ms_median / prefill.tokens as f64),
+                }))
+            })
+            .collect()
+    }
 }
 
 /// Deterministic filler tokens from the ordinary part of the vocabulary.
@@ -166,15 +219,11 @@ fn interleaved_median_step_ms(
     Ok(times.iter_mut().map(|t| median(t)).collect())
 }
 
-/// Benchmarks a loaded executor; `load_peak_rss_mib` is the process's peak memory measured
-/// right after loading (the steps and the bandwidth probe raise it afterwards).
-pub fn run(
+/// The median step per batch size, its affine fit and the prefill time.
+fn steps_and_prefill(
     executor: &mut dyn StepExecutor,
-    threads: usize,
-    weights: &str,
-    load_peak_rss_mib: Option<f64>,
     settings: &EngineBenchSettings,
-) -> EngineResult<EngineBenchReport> {
+) -> EngineResult<(Vec<EngineBenchRow>, AffineFit, PrefillResult)> {
     let vocab = executor.vocab_size();
     let step_ms = interleaved_median_step_ms(executor, settings)?;
     let rows: Vec<EngineBenchRow> = settings
@@ -191,7 +240,6 @@ pub fn run(
     // is the law it would have fitted online.
     let samples: Vec<(usize, f64)> = rows.iter().map(|r| (r.batch, r.step_ms_median)).collect();
     let fit = fit_latency(&samples, None).expect("at least one batch size");
-    let (a_ms, c_ms) = (fit.a_ms, fit.c_ms);
 
     let mut prefill_times = Vec::new();
     for round in 0..3 {
@@ -205,6 +253,30 @@ pub fn run(
         executor.free(SeqId(seq));
     }
     let prefill_ms = median(&mut prefill_times);
+    Ok((
+        rows,
+        AffineFit {
+            a_ms: fit.a_ms,
+            c_ms: fit.c_ms,
+        },
+        PrefillResult {
+            tokens: settings.prefill_tokens,
+            ms_median: prefill_ms,
+            tokens_per_s: settings.prefill_tokens as f64 * 1e3 / prefill_ms,
+        },
+    ))
+}
+
+/// Benchmarks a loaded executor; `load_peak_rss_mib` is the process's peak memory measured
+/// right after loading (the steps and the bandwidth probe raise it afterwards).
+pub fn run(
+    executor: &mut dyn StepExecutor,
+    threads: usize,
+    weights: &str,
+    load_peak_rss_mib: Option<f64>,
+    settings: &EngineBenchSettings,
+) -> EngineResult<EngineBenchReport> {
+    let (rows, fit, prefill) = steps_and_prefill(executor, settings)?;
     let b1_ms = rows.iter().find(|r| r.batch == 1).map(|r| r.step_ms_median);
     let bound = match (executor.weight_bytes_per_step(), b1_ms) {
         (Some(bytes), Some(b1_ms)) => {
@@ -218,12 +290,8 @@ pub fn run(
         threads,
         weights: weights.to_string(),
         rows,
-        fit: AffineFit { a_ms, c_ms },
-        prefill: PrefillResult {
-            tokens: settings.prefill_tokens,
-            ms_median: prefill_ms,
-            tokens_per_s: settings.prefill_tokens as f64 * 1e3 / prefill_ms,
-        },
+        fit,
+        prefill,
         bound,
         load_peak_rss_mib,
     })

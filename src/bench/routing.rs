@@ -113,6 +113,37 @@ pub struct RoutingBenchSettings {
     pub workload: Workload,
     /// Tokens of one extra prompt sent into each cell once its requests decode.
     pub long_prompt: Option<usize>,
+    /// Price the profile prediction with step profiles measured in this process just before
+    /// and after each cell instead of the configured ones.
+    pub profile_steps: bool,
+}
+
+/// A step profile measured around a cell.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct MeasuredProfile {
+    pub a_ms: f64,
+    pub c_ms: f64,
+    pub prefill_ms_per_token: f64,
+}
+
+impl MeasuredProfile {
+    fn mean(before: StepCost, after: StepCost) -> Self {
+        let mid = |x: f64, y: f64| (x + y) / 2.0;
+        let per_token = |c: StepCost| c.prefill_ms_per_token.unwrap_or(0.0);
+        Self {
+            a_ms: mid(before.a_ms, after.a_ms),
+            c_ms: mid(before.c_ms, after.c_ms),
+            prefill_ms_per_token: mid(per_token(before), per_token(after)),
+        }
+    }
+
+    fn cost(self) -> StepCost {
+        StepCost {
+            a_ms: self.a_ms,
+            c_ms: self.c_ms,
+            prefill_ms_per_token: Some(self.prefill_ms_per_token),
+        }
+    }
 }
 
 /// One model's share of a cell.
@@ -122,6 +153,12 @@ pub struct ModelCell {
     pub steps: u64,
     pub mean_batch: f64,
     pub admission_delay_ms_mean: f64,
+    /// Share of the cell's time the model spent stepping.
+    pub busy_share: f64,
+    pub step_ms_mean: f64,
+    /// The same steps priced by the step costs of the profile prediction (a + c·rows, and
+    /// each further token at the prefill rate): how far the model ran from its profile.
+    pub profile_step_ms_mean: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -151,6 +188,9 @@ pub struct RoutingBenchRow {
     /// each prompt or catch-up token beyond a request step's first priced at the profile's
     /// prefill rate.
     pub predicted_from_profiles_tokens_per_s: Option<f64>,
+    /// With `--profile-steps`: the profiles that prediction used, by model (the mean of
+    /// those measured before and after the cell).
+    pub measured_profiles: Option<Vec<(String, MeasuredProfile)>>,
     pub handoffs_per_100_tokens: f64,
     /// Share of output tokens each model wrote, by model name.
     pub token_share: Vec<(String, f64)>,
@@ -224,14 +264,41 @@ impl Snapshot {
     }
 }
 
-/// Per-model batch sizes and admission delays between two snapshots.
-fn model_cells(names: &[String], before: &Snapshot, after: &Snapshot) -> Vec<ModelCell> {
+/// Per-model batch sizes, admission delays and step times between two snapshots; `costs`
+/// prices the steps as the profile prediction does.
+fn model_cells(
+    runtime: &Runtime,
+    names: &[String],
+    (before, after): (&Snapshot, &Snapshot),
+    costs: &[Option<StepCost>],
+) -> Vec<ModelCell> {
+    let snapshot = runtime.snapshot();
+    let seconds = (after.at - before.at).as_secs_f64();
     names
         .iter()
         .enumerate()
         .map(|(i, name)| {
             let steps = after.steps[i] - before.steps[i];
             let admissions = (after.admissions[i] - before.admissions[i]).max(1);
+            // The step log keeps the most recent steps: means over those in the cell.
+            let logged: Vec<(usize, usize, f64)> = snapshot.models[i]
+                .recent_steps
+                .iter()
+                .filter(|s| s.start >= before.at)
+                .map(|s| s.request_sample())
+                .collect();
+            let mean = |f: &dyn Fn(&(usize, usize, f64)) -> f64| {
+                logged.iter().map(f).fold(0.0, |sum, x| sum + x) / logged.len().max(1) as f64
+            };
+            let step_ms_mean = mean(&|&(_, _, ms)| ms);
+            let profile_step_ms_mean = costs.get(i).copied().flatten().map(|cost| {
+                mean(&|&(rows, tokens, _)| {
+                    cost.a_ms
+                        + cost.c_ms * rows as f64
+                        + cost.prefill_ms_per_token.unwrap_or(0.0)
+                            * tokens.saturating_sub(rows) as f64
+                })
+            });
             ModelCell {
                 model: name.clone(),
                 steps,
@@ -239,6 +306,9 @@ fn model_cells(names: &[String], before: &Snapshot, after: &Snapshot) -> Vec<Mod
                 admission_delay_ms_mean: (after.admission_us[i] - before.admission_us[i]) as f64
                     / admissions as f64
                     / 1e3,
+                busy_share: step_ms_mean * steps as f64 / 1e3 / seconds.max(1e-9),
+                step_ms_mean,
+                profile_step_ms_mean: (steps > 0).then_some(profile_step_ms_mean).flatten(),
             }
         })
         .collect()
@@ -713,8 +783,15 @@ pub async fn run(
     } else {
         None
     };
+    let mut profiler = if settings.profile_steps {
+        Some(super::engine::Profiler::load(&config)?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     for round in 0..settings.rounds {
+        // The last profiles measured, while nothing has run since: the next cell's "before".
+        let mut fresh_profiles: Option<Vec<Option<StepCost>>> = None;
         let prompts = Rc::new(workloads::prompts(&first, settings.workload, round)?);
         // The reference's greedy outputs for this round's prompts (batched steps give the
         // tokens of unbatched ones, so it runs at the largest concurrency).
@@ -751,6 +828,11 @@ pub async fn run(
                                 BenchMode::LlmOnly => &settings.reference,
                                 _ => policy,
                             };
+                            let profiles_before = match (&mut profiler, fresh_profiles.take()) {
+                                (Some(_), Some(fresh)) => Some(fresh),
+                                (Some(profiler), None) => Some(profiler.measure()?),
+                                (None, _) => None,
+                            };
                             let before = Snapshot::take(runtime);
                             runtime.take_bus_round_trips();
                             runtime.take_handoff_transits();
@@ -766,6 +848,28 @@ pub async fn run(
                             let round_trips = runtime.take_bus_round_trips();
                             let transits = runtime.take_handoff_transits();
                             let seconds = (after.at - before.at).as_secs_f64();
+                            let measured_profiles = match (&mut profiler, profiles_before) {
+                                (Some(profiler), Some(before)) => {
+                                    let after = profiler.measure()?;
+                                    let mean: Vec<Option<MeasuredProfile>> = before
+                                        .iter()
+                                        .zip(&after)
+                                        .map(|(b, a)| Some(MeasuredProfile::mean((*b)?, (*a)?)))
+                                        .collect();
+                                    fresh_profiles = Some(after);
+                                    Some(mean)
+                                }
+                                _ => None,
+                            };
+                            // A simulated model keeps its configured profile.
+                            let profile_costs: Vec<Option<StepCost>> = match &measured_profiles {
+                                Some(measured) => measured
+                                    .iter()
+                                    .zip(&costs)
+                                    .map(|(m, c)| m.map(MeasuredProfile::cost).or(*c))
+                                    .collect(),
+                                None => costs.clone(),
+                            };
                             // A remote model's steps are not recorded here.
                             let remote = matches!(mode, BenchMode::Remote(_));
                             let decoding = concurrency as f64 * t.decoding_share();
@@ -786,8 +890,16 @@ pub async fn run(
                             RoutingBenchRow {
                                 predicted_tokens_per_s: prediction(LatencySource::CellSteps),
                                 predicted_from_profiles_tokens_per_s: prediction(
-                                    LatencySource::Profiles(&costs),
+                                    LatencySource::Profiles(&profile_costs),
                                 ),
+                                measured_profiles: measured_profiles.map(|measured| {
+                                    names
+                                        .iter()
+                                        .cloned()
+                                        .zip(measured)
+                                        .filter_map(|(name, m)| Some((name, m?)))
+                                        .collect()
+                                }),
                                 controller: runtime.snapshot().controller,
                                 prefix_cached_share: names
                                     .iter()
@@ -801,13 +913,19 @@ pub async fn run(
                                         (name.clone(), hits / (hits + computed).max(1.0))
                                     })
                                     .collect(),
-                                per_model: model_cells(&names, &before, &after),
+                                per_model: model_cells(
+                                    runtime,
+                                    &names,
+                                    (&before, &after),
+                                    &profile_costs,
+                                ),
                                 bus_round_trip_us: median_and_p99_us(&round_trips),
                                 handoff_transit_us: median_and_p99_us(&transits),
                                 ..cell.row(t, seconds, &names, &reference, settings)
                             }
                         }
                         (Some(servers), None) => {
+                            fresh_profiles = None;
                             let std_cell = std_serving::Cell {
                                 policy: registry.get(policy).expect("checked above"),
                                 prompts: Arc::new(prompts.as_ref().clone()),
@@ -896,6 +1014,7 @@ impl CellId<'_> {
             all_in_flight_tokens_per_s: t.all_in_flight_tokens_per_s(),
             predicted_tokens_per_s: None,
             predicted_from_profiles_tokens_per_s: None,
+            measured_profiles: None,
             handoffs_per_100_tokens: 100.0 * t.handoffs as f64 / t.tokens.max(1) as f64,
             token_share: names
                 .iter()
@@ -950,7 +1069,7 @@ fn shares(values: &[(String, f64)]) -> String {
 
 pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "| policy | workload | mode | N | round | done | failed | tokens/s | all N in flight | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap (after it) | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---:|---|---|---:|---:|\n",
+        "| policy | workload | mode | N | round | done | failed | tokens/s | all N in flight | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | busy | step ms (profile's) | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap (after it) | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---|---|---:|---|---|---:|---:|\n",
     );
     for r in rows {
         let per_model = |f: fn(&ModelCell) -> f64, digits: usize| {
@@ -961,7 +1080,7 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
                 .join(" / ")
         };
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} / {} | {} | {:.1} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} / {:.1} | {} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} / {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} / {:.1} | {} | {:.0} |\n",
             r.policy,
             serde_json::to_value(r.workload).map_or(String::new(), |v| v.as_str().unwrap_or("").to_string()),
             r.mode,
@@ -977,6 +1096,23 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
             r.handoffs_per_100_tokens,
             per_model(|m| m.mean_batch, 2),
             per_model(|m| m.admission_delay_ms_mean, 1),
+            r.per_model
+                .iter()
+                .map(|m| match m.steps {
+                    0 => "–".to_string(),
+                    _ => format!("{:.0}%", 100.0 * m.busy_share),
+                })
+                .collect::<Vec<_>>()
+                .join(" / "),
+            r.per_model
+                .iter()
+                .map(|m| match (m.steps, m.profile_step_ms_mean) {
+                    (0, _) => "–".to_string(),
+                    (_, Some(profile)) => format!("{:.1} ({profile:.1})", m.step_ms_mean),
+                    (_, None) => format!("{:.1}", m.step_ms_mean),
+                })
+                .collect::<Vec<_>>()
+                .join(" / "),
             shares(&r.prefix_cached_share),
             optional(r.agreement_with_reference.map(|a| a * 100.0), "%"),
             r.ttft_ms_median,
