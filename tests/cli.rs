@@ -237,6 +237,9 @@ fn bench_engine_fit_feeds_tune_and_concurrent_mode_reports_both_models() {
     let rows = concurrent["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 4, "two models × two batch sizes: {concurrent}");
     assert!(rows.iter().all(|r| r["slowdown"].as_f64().unwrap() > 0.0));
+    assert!(rows
+        .iter()
+        .all(|r| r["alternating_ms_median"].as_f64().unwrap() > 0.0));
 
     let text = std::fs::read_to_string(&config).unwrap();
     let with_profiles = |large: &std::path::Path| {

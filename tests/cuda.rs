@@ -176,8 +176,11 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Both sides in f32 end to end: only the order of summation differs.
-const F32_TOLERANCE: f32 = 3e-4;
+/// f32 arithmetic on both sides, in another order; both keep the KV cache in f16, where a
+/// flipped rounding of a key or value moves the logits by up to ~8e-4 of the largest (see
+/// `gguf_forward_matches_candle_transformers_for_every_family`). A Q3_K model measured 3.2e-4
+/// on an H200.
+const F32_TOLERANCE: f32 = 1e-3;
 
 fn prompts_for_tiny_models() -> Vec<Vec<u32>> {
     (0..5)
@@ -286,20 +289,10 @@ fn tiny_models_in_int8_formats_follow_the_cpu_on_the_gpu() {
         }
     }
     for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
-        let path = common::write_gguf(&dir.path().join("m.gguf"), &wide_spec(), dtype);
+        let path = common::write_gguf(&dir.path().join("m.gguf"), &TinySpec::wide(), dtype);
         let config = common::model_config("tiny", &path);
-        let tolerance = common::INT8_ACTIVATION_TOLERANCE;
+        let tolerance = common::WIDE_INT8_ACTIVATION_TOLERANCE;
         assert_gpu_follows_cpu(&config, &config, tolerance, &format!("{dtype:?}"));
-    }
-}
-
-/// A tiny model whose widths K-quant superblocks (256 inputs) divide.
-fn wide_spec() -> TinySpec {
-    TinySpec {
-        hidden: 256,
-        head_dim: 64,
-        ffn: 512,
-        ..TinySpec::new(Arch::Llama)
     }
 }
 
@@ -314,7 +307,7 @@ fn tiny_models_in_dense_gpu_formats_follow_the_cpu() {
     }
     let dir = tempfile::tempdir().unwrap();
     let narrow = TinySpec::new(Arch::Llama);
-    let wide = wide_spec();
+    let wide = TinySpec::wide();
     let cases = [
         (GgmlDType::F16, &narrow, F32_TOLERANCE),
         (GgmlDType::BF16, &narrow, common::INT8_ACTIVATION_TOLERANCE),

@@ -204,9 +204,10 @@ fn batched_equals_unbatched_token_for_token() {
     }
 }
 
-/// The premise of the GPU tests' int8 tolerance (`common::INT8_ACTIVATION_TOLERANCE`): two
-/// kernels of this CPU, exact in their integer dot products, differ only in f32 rounding,
-/// which an 8-bit activation rounding can amplify, and stay within the tolerance.
+/// The premise of the GPU tests' int8 tolerances (`common::INT8_ACTIVATION_TOLERANCE`, and
+/// `WIDE_INT8_ACTIVATION_TOLERANCE` for the K-quants' wider model): two kernels of this CPU,
+/// exact in their integer dot products, differ only in f32 rounding, which an 8-bit
+/// activation rounding can amplify, and stay within the tolerance.
 #[test]
 fn cpu_kernels_on_int8_models_differ_within_the_activation_rounding_tolerance() {
     let fastest = Kernel::detect();
@@ -216,22 +217,43 @@ fn cpu_kernels_on_int8_models_differ_within_the_activation_rounding_tolerance() 
     }
     let dir = tempfile::tempdir().unwrap();
     let tokens = prompt(40, 5);
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
-            let path = common::write_gguf(&dir.path().join("m.gguf"), &TinySpec::new(arch), dtype);
-            let simd = logits_per_position(&mut load(&path), 1, &tokens);
-            let mut portable = load(&path);
-            portable.use_kernel(Kernel::Portable).unwrap();
-            let portable = logits_per_position(&mut portable, 1, &tokens);
-            let scale = simd.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
-            for (position, (a, b)) in simd.iter().zip(&portable).enumerate() {
-                let diff = max_abs_diff(a, b);
-                assert!(
-                    diff <= common::INT8_ACTIVATION_TOLERANCE * scale,
-                    "{arch:?} {dtype:?} position {position}: {fastest:?} and portable differ by \
-                     {diff} (largest logit {scale})"
-                );
-            }
+    let narrow = [Arch::Llama, Arch::Qwen2, Arch::Qwen3]
+        .map(|arch| (TinySpec::new(arch), common::INT8_ACTIVATION_TOLERANCE));
+    let narrow_formats = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+    ];
+    let cases = narrow
+        .iter()
+        .flat_map(|&(spec, tolerance)| narrow_formats.map(|dtype| (spec, dtype, tolerance)))
+        .chain(
+            [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K].map(|dtype| {
+                (
+                    TinySpec::wide(),
+                    dtype,
+                    common::WIDE_INT8_ACTIVATION_TOLERANCE,
+                )
+            }),
+        );
+    for (spec, dtype, tolerance) in cases {
+        let path = common::write_gguf(&dir.path().join("m.gguf"), &spec, dtype);
+        let simd = logits_per_position(&mut load(&path), 1, &tokens);
+        let mut portable = load(&path);
+        portable.use_kernel(Kernel::Portable).unwrap();
+        let portable = logits_per_position(&mut portable, 1, &tokens);
+        let scale = simd.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+        for (position, (a, b)) in simd.iter().zip(&portable).enumerate() {
+            let diff = max_abs_diff(a, b);
+            assert!(
+                diff <= tolerance * scale,
+                "{:?} hidden {} {dtype:?} position {position}: {fastest:?} and portable differ \
+                 by {diff} (largest logit {scale})",
+                spec.arch,
+                spec.hidden
+            );
         }
     }
 }

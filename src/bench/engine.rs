@@ -336,13 +336,16 @@ impl EngineBenchReport {
     }
 }
 
-/// One model's decode step time alone and while another model steps beside it.
+/// One model's decode step time alone, alternating with another model's steps on one thread
+/// (as `lockstep` runs them: each step finds the other's weights in the caches), and while
+/// the other steps beside it.
 #[derive(Debug, Clone, Serialize)]
 pub struct ConcurrentRow {
     pub model: String,
     pub threads: usize,
     pub batch: usize,
     pub alone_ms_median: f64,
+    pub alternating_ms_median: f64,
     pub together_ms_median: f64,
     /// together / alone.
     pub slowdown: f64,
@@ -353,9 +356,9 @@ pub struct ConcurrentReport {
     pub rows: Vec<ConcurrentRow>,
 }
 
-/// Per batch size: each model's median step alone, then both stepping at once on their own
-/// threads (each keeps stepping until both have `steps` timed steps, so every timed step
-/// overlaps the other model's work).
+/// Per batch size: each model's median step alone, then the two models stepping in turn, then
+/// both stepping at once on their own threads (each keeps stepping until both have `steps`
+/// timed steps, so every timed step overlaps the other model's work).
 pub fn concurrent(
     models: [(&mut dyn StepExecutor, usize); 2],
     settings: &EngineBenchSettings,
@@ -369,6 +372,21 @@ pub fn concurrent(
             *slot = decode.median_step_ms(executor, settings.steps)?;
             decode.finish(executor);
         }
+        let alternating = {
+            let mut decodes = [
+                DecodeBatch::start(&mut *a, 0, batch, settings.context)?,
+                DecodeBatch::start(&mut *b, 0, batch, settings.context)?,
+            ];
+            let mut times = [Vec::new(), Vec::new()];
+            for _ in 0..settings.steps {
+                times[0].push(decodes[0].step(&mut *a)?);
+                times[1].push(decodes[1].step(&mut *b)?);
+            }
+            let [decode_a, decode_b] = decodes;
+            decode_a.finish(&mut *a);
+            decode_b.finish(&mut *b);
+            times.map(|mut t| median(&mut t))
+        };
         let finished = AtomicUsize::new(0);
         let together = std::thread::scope(|scope| {
             let handles = [&mut *a, &mut *b].map(|executor| {
@@ -398,6 +416,7 @@ pub fn concurrent(
                 threads,
                 batch,
                 alone_ms_median: alone[i],
+                alternating_ms_median: alternating[i],
                 together_ms_median: together_ms,
                 slowdown: together_ms / alone[i],
             });
@@ -409,12 +428,18 @@ pub fn concurrent(
 impl ConcurrentReport {
     pub fn markdown(&self) -> String {
         let mut out = String::from(
-            "| model | threads | batch | step ms alone | step ms beside the other | slowdown |\n|---|---:|---:|---:|---:|---:|\n",
+            "| model | threads | batch | step ms alone | alternating with the other | beside the other | slowdown |\n|---|---:|---:|---:|---:|---:|---:|\n",
         );
         for r in &self.rows {
             out += &format!(
-                "| {} | {} | {} | {:.2} | {:.2} | {:.2}× |\n",
-                r.model, r.threads, r.batch, r.alone_ms_median, r.together_ms_median, r.slowdown
+                "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2}× |\n",
+                r.model,
+                r.threads,
+                r.batch,
+                r.alone_ms_median,
+                r.alternating_ms_median,
+                r.together_ms_median,
+                r.slowdown
             );
         }
         out
