@@ -14,7 +14,8 @@
 #   device call 2:   carry [".gpu/model.part-ab"]  (at once: a machine stays warm for 30 s)
 #                    command: bash scripts/gpu-check.sh run
 #                    (the real model: parity with the CPU, `bench engine` B = 1…64, and
-#                    `bench routing` with both models on the GPU)
+#                    `bench routing` with both models on the GPU; or, with `formats`
+#                    instead of `run`, `bench engine` in every weight format)
 #
 # Every check runs even if an earlier one fails; the exit status says whether all passed. The
 # reports land in $OUT (the device tool brings them back) or /tmp/gpu-check-out.
@@ -95,7 +96,7 @@ receive)
     echo "cuda tests exit status $status" | tee -a "$out/cuda-tests.txt"
     exit "$status"
     ;;
-run)
+run | formats)
     [ -x "$stash/tokenrouter" ] || {
         echo "nothing received: this is a fresh machine; run call 1 (receive) first" >&2
         exit 3
@@ -107,6 +108,18 @@ run)
     libraries > /dev/null
     bin="$stash/tokenrouter"
     status=0
+    if [ "$1" = formats ]; then
+        # Instead of `run`: the real model's step times on the GPU in every weight format it
+        # can be requantized to at load (K-quants fall back where 256 does not divide a width).
+        report="$out/engine-gpu-formats.md"
+        for weights in stored q8_0 q4_0 q5_0 q5_1 q4_k q5_k q6_k f16 bf16 f32; do
+            echo "weights = $weights" >> "$report"
+            timeout 60 "$bin" bench engine --model smollm2-135m --device cuda:0 \
+                --weights "$weights" --batch 1,8,64 >> "$report" 2>&1 || status=1
+        done
+        grep -v ' INFO ' "$report"
+        exit $status
+    fi
     # The gate: the real model dequantized to f32 on both sides. Then, for the record, the
     # shipped Q4_1 weights (8-bit activations) on the GPU. (The same rule between two of this
     # project's CPU kernels, and the paper-setting simulation, need no GPU: run them at home.)
@@ -129,7 +142,7 @@ run)
     exit $status
     ;;
 *)
-    echo "usage: $0 prepare | receive | run   (see the comment at the top)" >&2
+    echo "usage: $0 prepare | receive | run | formats   (see the comment at the top)" >&2
     exit 2
     ;;
 esac

@@ -393,8 +393,8 @@ struct BenchEngineArgs {
     /// Device for the model(s) (`cpu` or `cuda:N`), overriding the config's `device`.
     #[arg(long)]
     device: Option<tokenrouter::config::ModelDevice>,
-    /// Instead: step this model and MODEL at the same time, each on its own threads, and
-    /// report each one's step time against running alone.
+    /// Instead: step this model and MODEL in turn on one thread, then at the same time on
+    /// their own threads, and report each one's step time both ways against running alone.
     #[arg(long, value_name = "OTHER_MODEL")]
     concurrent_with: Option<String>,
     #[arg(long)]
