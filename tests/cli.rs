@@ -12,15 +12,20 @@ fn tokenrouter(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-#[test]
-fn tune_validate_paper_json_reproduces_the_paper_grid() {
-    let out = tokenrouter(&["tune", "--validate-paper", "--json"]);
+/// Runs a `--json` command that must succeed and returns its report.
+fn tokenrouter_json(args: &[&str]) -> serde_json::Value {
+    let out = tokenrouter(args);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn tune_validate_paper_json_reproduces_the_paper_grid() {
+    let report = tokenrouter_json(&["tune", "--validate-paper", "--json"]);
     let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 9, "N = 2..4, B_1 = 1..N");
     for row in rows {
@@ -40,13 +45,7 @@ fn tune_validate_paper_json_reproduces_the_paper_grid() {
 
 #[test]
 fn tune_prints_thresholds_for_the_default_config() {
-    let out = tokenrouter(&["tune", "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = tokenrouter_json(&["tune", "--json"]);
     let rows = report["rows"].as_array().unwrap();
     assert!(!rows.is_empty());
     for row in rows {
@@ -79,7 +78,7 @@ fn bad_input_gets_a_message_naming_the_problem() {
 #[test]
 fn bench_routing_on_the_simulated_pair_reports_every_mode_with_predictions_and_plots() {
     let out_dir = tempfile::tempdir().unwrap();
-    let out = tokenrouter(&[
+    let rows = tokenrouter_json(&[
         "bench",
         "routing",
         "--config",
@@ -100,12 +99,6 @@ fn bench_routing_on_the_simulated_pair_reports_every_mode_with_predictions_and_p
         "--out",
         out_dir.path().to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = rows.as_array().unwrap();
     let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
     assert_eq!(modes, ["lockstep", "async", "tokenrouter", "llm-only"]);
@@ -158,13 +151,7 @@ fn bench_routing_with_profiled_steps_prices_every_routed_cell() {
         args.extend_from_slice(&["--concurrency", "2", "--requests", "4", "--max-tokens", "6"]);
         args.extend_from_slice(&["--workload", "long", "--json"]);
         args.extend_from_slice(extra);
-        let out = tokenrouter(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        tokenrouter_json(&args)
     };
     for row in routing(&[]).as_array().unwrap() {
         assert!(
@@ -217,13 +204,7 @@ fn bench_engine_fit_feeds_tune_and_concurrent_mode_reports_both_models() {
         args.extend_from_slice(&["--batch", "1,2", "--steps", "2", "--prefill-tokens", "8"]);
         args.extend_from_slice(extra);
         args.push("--json");
-        let out = tokenrouter(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        tokenrouter_json(&args)
     };
     let mut profiles = Vec::new();
     for model in ["large", "small"] {
@@ -256,13 +237,7 @@ fn bench_engine_fit_feeds_tune_and_concurrent_mode_reports_both_models() {
     };
     let tune_config = dir.path().join("tune.toml");
     std::fs::write(&tune_config, with_profiles(&profiles[0])).unwrap();
-    let out = tokenrouter(&["tune", "--config", tune_config.to_str().unwrap(), "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let tuned: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tuned = tokenrouter_json(&["tune", "--config", tune_config.to_str().unwrap(), "--json"]);
     assert_eq!(tuned["rows"].as_array().unwrap().len(), 3, "{tuned}");
 
     std::fs::write(&tune_config, with_profiles(&config)).unwrap();
