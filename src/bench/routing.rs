@@ -264,6 +264,17 @@ impl Snapshot {
     }
 }
 
+/// `model`'s logged steps that started at or after `since` (the log keeps the most recent
+/// steps), as (rows, tokens, ms).
+fn cell_steps(model: &ModelSnapshot, since: Instant) -> Vec<(usize, usize, f64)> {
+    model
+        .recent_steps
+        .iter()
+        .filter(|s| s.start >= since)
+        .map(|s| s.request_sample())
+        .collect()
+}
+
 /// Per-model batch sizes, admission delays and step times between two snapshots; `costs`
 /// prices the steps as the profile prediction does.
 fn model_cells(
@@ -280,13 +291,7 @@ fn model_cells(
         .map(|(i, name)| {
             let steps = after.steps[i] - before.steps[i];
             let admissions = (after.admissions[i] - before.admissions[i]).max(1);
-            // The step log keeps the most recent steps: means over those in the cell.
-            let logged: Vec<(usize, usize, f64)> = snapshot.models[i]
-                .recent_steps
-                .iter()
-                .filter(|s| s.start >= before.at)
-                .map(|s| s.request_sample())
-                .collect();
+            let logged = cell_steps(&snapshot.models[i], before.at);
             let mean = |f: &dyn Fn(&(usize, usize, f64)) -> f64| {
                 logged.iter().map(f).fold(0.0, |sum, x| sum + x) / logged.len().max(1) as f64
             };
@@ -405,12 +410,7 @@ fn predicted(
             visited
                 .iter()
                 .map(|&i| {
-                    let samples: Vec<(usize, usize, f64)> = snapshot.models[i]
-                        .recent_steps
-                        .iter()
-                        .filter(|s| s.start >= before.at)
-                        .map(|s| s.request_sample())
-                        .collect();
+                    let samples = cell_steps(&snapshot.models[i], before.at);
                     let rows = (after.rows[i] - before.rows[i]).max(1) as f64;
                     fit_request_latency(&samples, None, completing(i) / rows)
                 })
