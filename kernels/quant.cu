@@ -79,24 +79,45 @@ extern "C" __global__ void quantize_q8(const float* x, signed char* quants, floa
     }
 }
 
+// The output element out[row, col] one warp of a qmatmul computes, its lanes taking every 32nd
+// block of the column and the row; false for the warps past the last column.
+struct OutputWarp {
+    int col, row, lane;
+    // The column's first weight block and the row's first activation block.
+    long long w_block, x_block;
+};
+
+__device__ __forceinline__ bool output_warp(int n_out, int blocks_per_row, OutputWarp* o) {
+    o->col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    o->row = blockIdx.y;
+    o->lane = threadIdx.x % 32;
+    o->w_block = (long long)o->col * blocks_per_row;
+    o->x_block = (long long)o->row * blocks_per_row;
+    return o->col < n_out;
+}
+
+// Sums the lanes' partial dot products into out[row, col].
+__device__ __forceinline__ void store_output(const OutputWarp& o, float acc, float* out,
+                                             int n_out) {
+    acc = warp_sum(acc);
+    if (o.lane == 0) out[(long long)o.row * n_out + o.col] = acc;
+}
+
 // out[row, col] over Q8_0 weights: one warp per (column, row), lanes over blocks.
 extern "C" __global__ void qmatmul_q8_0(const signed char* w, const float* w_scales,
                                         const signed char* xq, const float* x_scales, float* out,
                                         int n_out, int blocks_per_row) {
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int row = blockIdx.y, lane = threadIdx.x % 32;
-    if (col >= n_out) return;
-    const int* w_col = (const int*)(w + (long long)col * blocks_per_row * 32);
-    const int* x_row = (const int*)(xq + (long long)row * blocks_per_row * 32);
+    OutputWarp o;
+    if (!output_warp(n_out, blocks_per_row, &o)) return;
+    const int* w_col = (const int*)(w + o.w_block * 32);
+    const int* x_row = (const int*)(xq + o.x_block * 32);
     float acc = 0.0f;
-    for (int b = lane; b < blocks_per_row; b += 32) {
+    for (int b = o.lane; b < blocks_per_row; b += 32) {
         int dot = 0;
         for (int i = 0; i < 8; i++) dot = __dp4a(w_col[b * 8 + i], x_row[b * 8 + i], dot);
-        acc += (float)dot * (w_scales[(long long)col * blocks_per_row + b] *
-                             x_scales[(long long)row * blocks_per_row + b]);
+        acc += (float)dot * (w_scales[o.w_block + b] * x_scales[o.x_block + b]);
     }
-    acc = warp_sum(acc);
-    if (lane == 0) out[(long long)row * n_out + col] = acc;
+    store_output(o, acc, out, n_out);
 }
 
 // out[row, col] over Q4_0 / Q4_1 weights (16 bytes per block: element j in the low nibble of
@@ -105,25 +126,22 @@ extern "C" __global__ void qmatmul_q4(const unsigned char* w, const float* w_sca
                                       const float* w_offsets, const signed char* xq,
                                       const float* x_scales, const float* x_scaled_sums,
                                       float* out, int n_out, int blocks_per_row) {
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int row = blockIdx.y, lane = threadIdx.x % 32;
-    if (col >= n_out) return;
-    const int* w_col = (const int*)(w + (long long)col * blocks_per_row * 16);
-    const int* x_row = (const int*)(xq + (long long)row * blocks_per_row * 32);
+    OutputWarp o;
+    if (!output_warp(n_out, blocks_per_row, &o)) return;
+    const int* w_col = (const int*)(w + o.w_block * 16);
+    const int* x_row = (const int*)(xq + o.x_block * 32);
     float acc = 0.0f;
-    for (int b = lane; b < blocks_per_row; b += 32) {
+    for (int b = o.lane; b < blocks_per_row; b += 32) {
         int dot = 0;
         for (int i = 0; i < 4; i++) {
             const int packed = w_col[b * 4 + i];
             dot = __dp4a(packed & 0x0F0F0F0F, x_row[b * 8 + i], dot);
             dot = __dp4a((packed >> 4) & 0x0F0F0F0F, x_row[b * 8 + 4 + i], dot);
         }
-        const long long wb = (long long)col * blocks_per_row + b;
-        const long long xb = (long long)row * blocks_per_row + b;
+        const long long wb = o.w_block + b, xb = o.x_block + b;
         acc += (float)dot * (w_scales[wb] * x_scales[xb]) + w_offsets[wb] * x_scaled_sums[xb];
     }
-    acc = warp_sum(acc);
-    if (lane == 0) out[(long long)row * n_out + col] = acc;
+    store_output(o, acc, out, n_out);
 }
 
 // Four fifth bits (bit i for byte i) as a byte's 16 each.
@@ -138,15 +156,13 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
                                       const signed char* xq, const float* x_scales,
                                       const float* x_scaled_sums, float* out, int n_out,
                                       int blocks_per_row) {
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int row = blockIdx.y, lane = threadIdx.x % 32;
-    if (col >= n_out) return;
-    const int* w_col = (const int*)(w + (long long)col * blocks_per_row * 16);
-    const int* x_row = (const int*)(xq + (long long)row * blocks_per_row * 32);
+    OutputWarp o;
+    if (!output_warp(n_out, blocks_per_row, &o)) return;
+    const int* w_col = (const int*)(w + o.w_block * 16);
+    const int* x_row = (const int*)(xq + o.x_block * 32);
     float acc = 0.0f;
-    for (int b = lane; b < blocks_per_row; b += 32) {
-        const long long wb = (long long)col * blocks_per_row + b;
-        const long long xb = (long long)row * blocks_per_row + b;
+    for (int b = o.lane; b < blocks_per_row; b += 32) {
+        const long long wb = o.w_block + b, xb = o.x_block + b;
         const unsigned int high = w_high[wb];
         int dot = 0;
         for (int i = 0; i < 4; i++) {
@@ -158,8 +174,7 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
         }
         acc += (float)dot * (w_scales[wb] * x_scales[xb]) + w_offsets[wb] * x_scaled_sums[xb];
     }
-    acc = warp_sum(acc);
-    if (lane == 0) out[(long long)row * n_out + col] = acc;
+    store_output(o, acc, out, n_out);
 }
 
 // out[row, col] over Q6_K weights: signed bytes as Q8_0's (q - 32), a scale per half block of
@@ -168,22 +183,20 @@ extern "C" __global__ void qmatmul_q6_k(const signed char* w, const float* w_fir
                                         const float* w_second, const signed char* xq,
                                         const float* x_scales, float* out, int n_out,
                                         int blocks_per_row) {
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int row = blockIdx.y, lane = threadIdx.x % 32;
-    if (col >= n_out) return;
-    const int* w_col = (const int*)(w + (long long)col * blocks_per_row * 32);
-    const int* x_row = (const int*)(xq + (long long)row * blocks_per_row * 32);
+    OutputWarp o;
+    if (!output_warp(n_out, blocks_per_row, &o)) return;
+    const int* w_col = (const int*)(w + o.w_block * 32);
+    const int* x_row = (const int*)(xq + o.x_block * 32);
     float acc = 0.0f;
-    for (int b = lane; b < blocks_per_row; b += 32) {
+    for (int b = o.lane; b < blocks_per_row; b += 32) {
         int first = 0, second = 0;
         for (int i = 0; i < 4; i++) {
             first = __dp4a(w_col[b * 8 + i], x_row[b * 8 + i], first);
             second = __dp4a(w_col[b * 8 + 4 + i], x_row[b * 8 + 4 + i], second);
         }
-        const long long wb = (long long)col * blocks_per_row + b;
-        const float x_scale = x_scales[(long long)row * blocks_per_row + b];
+        const long long wb = o.w_block + b;
+        const float x_scale = x_scales[o.x_block + b];
         acc += (float)first * (w_first[wb] * x_scale) + (float)second * (w_second[wb] * x_scale);
     }
-    acc = warp_sum(acc);
-    if (lane == 0) out[(long long)row * n_out + col] = acc;
+    store_output(o, acc, out, n_out);
 }
