@@ -499,10 +499,13 @@ mod tests {
     }
 
     /// The SIMD kernels do the portable kernels' integer arithmetic: they differ only in the
-    /// order f32 partial sums are added.
+    /// order f32 partial sums are added. Row counts 1 to 8 take every one-column row tile
+    /// whole, 11 and 13 the two-column tiles with each remainder.
     #[test]
     fn simd_and_portable_kernels_agree_closely() {
-        for (n, k, rows) in [(19, 160, 11), (9, 960, 10), (7, 768, 12)] {
+        let shapes = [(19, 160, 11), (9, 960, 10), (7, 768, 12), (4, 256, 13)];
+        let row_counts = (1..=8).map(|rows| (3, 256, rows));
+        for (n, k, rows) in shapes.into_iter().chain(row_counts) {
             let x = random(rows * k, 5);
             for dtype in INT8_FORMATS.into_iter().chain(DENSE_FORMATS) {
                 if !k.is_multiple_of(dtype.block_size()) {
