@@ -266,10 +266,20 @@ mod tests {
         let runs = Mutex::new(Vec::new());
         let threads = Mutex::new(HashSet::new());
         pool.enter(|| {
-            for _ in 0..200 {
+            for region in 0..200 {
                 for_each_index(64, &|i| {
                     runs.lock().unwrap().push(i);
                     threads.lock().unwrap().insert(std::thread::current().id());
+                    // In the first region each task waits for the other thread to have taken
+                    // one (or gives up), so sharing does not hang on how soon a loaded
+                    // machine schedules the worker.
+                    let start = Instant::now();
+                    while region == 0
+                        && threads.lock().unwrap().len() < 2
+                        && start.elapsed().as_secs() < 20
+                    {
+                        std::thread::yield_now();
+                    }
                     std::hint::black_box((0..2000).sum::<usize>());
                 });
             }
