@@ -13,8 +13,7 @@ use std::time::Duration;
 use tokenrouter::config::ExecutionMode;
 use tokenrouter::engine::SamplingParams;
 use tokenrouter::runtime::{GenerateRequest, Runtime};
-use tokenrouter::tuning::{paper, predict};
-use validate::{best_per_n, endless, measure, paper_config, ValidationRow};
+use validate::{endless, paper_config, validate, ValidationRow};
 
 /// The tests here measure sleeps: one at a time, so they do not slow each other down.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -113,39 +112,35 @@ async fn online_tuning_publishes_thresholds_that_follow_the_live_request_count()
     rt.shutdown();
 }
 
-/// N = 2 of the paper's grid in 6 s windows: the measured throughput is within 10 % of the
-/// prediction for B_1 = 1 and 2, and B_1 = 2 wins as predicted (by 11 % there, beyond the
-/// noise of a 6 s window). The whole grid (N = 2..4, 15 s windows, idle machine, release):
-/// N=2 94.7/99.0 107.1/110.3; N=3 137.5/142.3 149.7/158.1 148.1/151.9; N=4 182.1/187.2
-/// 192.4/195.4 203.5/208.0 187.1/190.7 (measured/predicted tok/s), best B_1 = 2, 2, 3 both ways.
+/// N = 2 of the paper's grid in 6 s windows, each measured against the prediction at the LLM
+/// share its window realised (a window sees one stretch of the simulation's deterministic
+/// draws, whose share strays from p = 0.35 by a few points and moves throughput by up to
+/// 10 %): within 10 % below to 3 % above it (the simulation sleeps its model's latencies, so
+/// it cannot beat the model; message hops between steps cost it 1-5 % on an idle machine), and
+/// B_1 = 2 gains over B_1 = 1 within 5 points of the predicted gain. The whole grid:
+/// `tokenrouter tune --validate-runtime` (table in docs/benchmarks.md).
 #[actix_rt::test]
 async fn measured_throughput_follows_the_dtmc_prediction_at_n_2() {
     let _serial = ONE_AT_A_TIME.lock().await;
-    let model = paper::validation_model();
     let mut rows = Vec::new();
     for b1 in 1..=2 {
-        rows.push(ValidationRow {
-            n: 2,
-            b1,
-            predicted: predict(&model, 2, &[1, b1]).unwrap().throughput,
-            measured: measure(2, b1, Duration::from_secs(6)).await.unwrap(),
-        });
-    }
-    for r in &rows {
+        let row = validate(2, b1, Duration::from_secs(6)).await.unwrap();
         println!(
-            "N=2 B1={}: predicted {:.1}, measured {:.1}",
-            r.b1, r.predicted, r.measured
+            "N=2 B1={b1}: LLM share {:.3}, predicted {:.1} at it, measured {:.1}",
+            row.llm_share, row.predicted_at_share, row.measured
         );
+        let ratio = row.measured / row.predicted_at_share;
         assert!(
-            (r.measured / r.predicted - 1.0).abs() < 0.10,
-            "B1={}: measured {:.1} vs predicted {:.1}",
-            r.b1,
-            r.measured,
-            r.predicted
+            (0.90..=1.03).contains(&ratio),
+            "B1={b1}: {ratio:.3} of the prediction"
         );
+        rows.push(row);
     }
-    assert_eq!(
-        best_per_n(&rows, |r| r.measured),
-        best_per_n(&rows, |r| r.predicted)
+    let gain = |f: fn(&ValidationRow) -> f64| f(&rows[1]) / f(&rows[0]) - 1.0;
+    let (measured, predicted) = (gain(|r| r.measured), gain(|r| r.predicted_at_share));
+    println!("gain of B1=2: predicted {predicted:+.3}, measured {measured:+.3}");
+    assert!(
+        (measured - predicted).abs() <= 0.05,
+        "gain of B1=2: measured {measured:+.3}, predicted {predicted:+.3}"
     );
 }

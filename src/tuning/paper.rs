@@ -15,12 +15,17 @@ pub fn r2r(p: f64, small: AffineLatency, large: AffineLatency) -> DtmcModel {
     }
 }
 
+/// The paper's validation setting: routing probability and constant step latencies.
+pub const VALIDATION_P: f64 = 0.35;
+pub const VALIDATION_SMALL_MS: f64 = 6.0;
+pub const VALIDATION_LARGE_MS: f64 = 27.9;
+
 /// The paper's validation setting: p = 0.35, L = 6.0 / 27.9 ms, δ = 0.1 ms.
 pub fn validation_model() -> DtmcModel {
     r2r(
-        0.35,
-        AffineLatency::constant(6.0),
-        AffineLatency::constant(27.9),
+        VALIDATION_P,
+        AffineLatency::constant(VALIDATION_SMALL_MS),
+        AffineLatency::constant(VALIDATION_LARGE_MS),
     )
 }
 
