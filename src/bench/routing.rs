@@ -152,6 +152,9 @@ pub struct ModelCell {
     pub model: String,
     pub steps: u64,
     pub mean_batch: f64,
+    /// Tokens the model's steps appended (decode rows, catch-ups, prompt chunks): the work
+    /// beside the rows, which modes that share a prefix cache differently spend apart.
+    pub tokens_processed: u64,
     pub admission_delay_ms_mean: f64,
     /// Share of the cell's time the model spent stepping.
     pub busy_share: f64,
@@ -308,6 +311,7 @@ fn model_cells(
                 model: name.clone(),
                 steps,
                 mean_batch: (after.rows[i] - before.rows[i]) as f64 / steps.max(1) as f64,
+                tokens_processed: after.tokens_processed[i] - before.tokens_processed[i],
                 admission_delay_ms_mean: (after.admission_us[i] - before.admission_us[i]) as f64
                     / admissions as f64
                     / 1e3,

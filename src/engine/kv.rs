@@ -4,8 +4,10 @@
 //! (`BlockId` indexes their storage) and carry out the `BlockCopy`s it asks for.
 //!
 //! Invariants: a full block never changes, so any number of sequences may share it; a
-//! partly filled block belongs to at most one sequence (a match of one is copied); a block no
-//! sequence references but which holds tokens stays cached, evictable in LRU order.
+//! partly filled block belongs to at most one sequence (a match of one is copied, unless no
+//! sequence holds it and the match takes all its tokens: then it is taken over, so a request
+//! returning to a model costs no copy and no new block); a block no sequence references but
+//! which holds tokens stays cached, evictable in LRU order.
 //! Reserving happens before a step touches anything, so exhaustion is a typed error the
 //! scheduler can act on (wait, preempt, reject), never a half-applied step.
 
@@ -346,7 +348,8 @@ impl KvStore {
     }
 
     /// Starts sequence `seq` (unknown or empty) on the longest cached prefix of `tokens`:
-    /// full blocks are shared, a match ending inside a block gets a copy of that block.
+    /// full blocks are shared, a match ending inside a block gets a copy of that block (or
+    /// the block itself, where nobody holds it and the match takes all of it).
     /// Returns the positions matched and the copy the backend must make.
     pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> (usize, Option<BlockCopy>) {
         self.free(seq);
@@ -369,9 +372,18 @@ impl KvStore {
         self.seqs.get_mut(&seq).expect("inserted").blocks = full;
         let mut copy = None;
         if let Some((from, positions)) = partial {
-            copy = self.append_copy(seq, from, positions);
-            if copy.is_some() {
+            let block = self.block(from);
+            if block.refs == 0 && block.tokens.len() == positions {
+                // Nobody else holds it and the match takes all it holds (a request coming
+                // back to a model it left): the sequence takes the block over and extends it.
+                self.retain(from);
+                self.seqs.get_mut(&seq).expect("inserted").blocks.push(from);
                 matched += positions;
+            } else {
+                copy = self.append_copy(seq, from, positions);
+                if copy.is_some() {
+                    matched += positions;
+                }
             }
         }
         self.seqs.get_mut(&seq).expect("inserted").len = matched;
@@ -514,6 +526,44 @@ mod tests {
         (from..from + n as u32).collect()
     }
 
+    /// The cached chain holding `tokens` (its full blocks and the partial one, if any).
+    fn kv_table_of_prompt(kv: &KvStore, tokens: &[u32]) -> Vec<BlockId> {
+        let (mut blocks, partial) = kv.longest_prefix(tokens);
+        blocks.extend(partial.map(|(id, _)| id));
+        blocks
+    }
+
+    #[test]
+    fn a_sequence_coming_back_takes_over_its_partial_block_instead_of_copying_it() {
+        let mut kv = KvStore::new(1024);
+        let prompt = run(1, BLOCK_TOKENS + 5);
+        write(&mut kv, 1, &prompt);
+        let before = kv.table(SeqId(1)).to_vec();
+        kv.free(SeqId(1));
+        // Back with one more token: the whole chain matches, the partial block is taken over.
+        let mut longer = prompt.clone();
+        longer.push(77);
+        let (matched, copy) = kv.attach_prefix(SeqId(2), &longer[..longer.len() - 1]);
+        assert_eq!((matched, copy), (prompt.len(), None));
+        assert_eq!(kv.table(SeqId(2)), before);
+        assert_eq!(kv.usage().used_tokens, 2 * BLOCK_TOKENS, "no block added");
+        kv.reserve(&[(SeqId(2), 1)]).unwrap();
+        kv.advance(SeqId(2), &[77]);
+        // While sequence 2 holds it, a match inside it is copied, and the original is intact.
+        let (matched, copy) = kv.attach_prefix(SeqId(3), &longer);
+        assert_eq!(matched, longer.len());
+        assert_eq!(copy.map(|c| (c.from, c.positions)), Some((before[1], 6)));
+        kv.free(SeqId(3));
+        kv.free(SeqId(2));
+        // Unheld, but the match stops short of what it holds: copied, so the cache keeps the
+        // longer chain.
+        let (matched, copy) = kv.attach_prefix(SeqId(4), &prompt[..BLOCK_TOKENS + 2]);
+        assert_eq!(matched, BLOCK_TOKENS + 2);
+        assert!(copy.is_some());
+        let (matched, _) = kv.attach_prefix(SeqId(5), &longer);
+        assert_eq!(matched, longer.len());
+    }
+
     #[test]
     fn reserve_is_all_or_nothing_and_free_returns_blocks() {
         let mut kv = KvStore::new(64);
@@ -594,10 +644,12 @@ mod tests {
             4 * BLOCK_TOKENS,
             "cached blocks are evictable"
         );
-        // The same prompt later: every position comes from the cache (the last block copied).
+        // The same prompt later: every position comes from the cache (the last block, which
+        // nobody holds, taken over).
         let (matched, copy) = kv.attach_prefix(SeqId(2), &prompt);
         assert_eq!(matched, prompt.len());
-        assert_eq!(copy.map(|c| c.positions), Some(3));
+        assert_eq!(copy, None);
+        assert_eq!(kv.table(SeqId(2)), kv_table_of_prompt(&kv, &prompt));
         kv.free(SeqId(2));
         // Room for a different 64-token prompt: the cache is evicted, tail blocks first.
         write(&mut kv, 3, &run(500, 4 * BLOCK_TOKENS));
