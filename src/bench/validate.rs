@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokenrouter::config::{Config, ExecutionMode};
 use tokenrouter::engine::SamplingParams;
 use tokenrouter::runtime::{GenerateRequest, RequestEvent, RequestHandle, Runtime, RuntimeError};
-use tokenrouter::tuning::{paper, predict, AffineLatency};
+use tokenrouter::tuning::{paper, predict};
 
 /// Steps before the window opens (the first batches are still forming).
 const WARM_UP: Duration = Duration::from_millis(400);
@@ -123,12 +123,7 @@ pub async fn validate(
     window: Duration,
 ) -> Result<ValidationRow, RuntimeError> {
     let predict_at = |p: f64| {
-        let model = paper::r2r(
-            p,
-            AffineLatency::constant(paper::VALIDATION_SMALL_MS),
-            AffineLatency::constant(paper::VALIDATION_LARGE_MS),
-        );
-        predict(&model, n, &[1, b1])
+        predict(&paper::validation_model_at(p), n, &[1, b1])
             .map(|p| p.throughput)
             .map_err(|e| RuntimeError::InvalidRequest(e.to_string()))
     };

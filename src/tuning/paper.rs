@@ -15,17 +15,20 @@ pub fn r2r(p: f64, small: AffineLatency, large: AffineLatency) -> DtmcModel {
     }
 }
 
-/// The paper's validation setting: routing probability and constant step latencies.
+/// The paper's validation routing probability.
 pub const VALIDATION_P: f64 = 0.35;
-pub const VALIDATION_SMALL_MS: f64 = 6.0;
-pub const VALIDATION_LARGE_MS: f64 = 27.9;
 
 /// The paper's validation setting: p = 0.35, L = 6.0 / 27.9 ms, δ = 0.1 ms.
 pub fn validation_model() -> DtmcModel {
+    validation_model_at(VALIDATION_P)
+}
+
+/// The validation setting at routing probability `p` (a run realises p only roughly).
+pub fn validation_model_at(p: f64) -> DtmcModel {
     r2r(
-        VALIDATION_P,
-        AffineLatency::constant(VALIDATION_SMALL_MS),
-        AffineLatency::constant(VALIDATION_LARGE_MS),
+        p,
+        AffineLatency::constant(6.0),
+        AffineLatency::constant(27.9),
     )
 }
 
