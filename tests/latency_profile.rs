@@ -112,6 +112,22 @@ async fn online_tuning_publishes_thresholds_that_follow_the_live_request_count()
     rt.shutdown();
 }
 
+/// For one request the model's thresholds are all 1, eager launch itself: no trial periods run
+/// against it and no comparison is published (two arms of one schedule would only measure
+/// noise, and report it as a loss of the tuned arm).
+#[actix_rt::test]
+async fn eager_thresholds_from_the_model_run_no_eager_check() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let rt = Runtime::start(&paper_config(1, 100, 200), Some(ExecutionMode::Tokenrouter)).unwrap();
+    let handle = endless(&rt, 0).unwrap();
+    // Ten tuning periods.
+    actix_rt::time::sleep(Duration::from_millis(2000)).await;
+    assert_eq!(rt.thresholds(), [1, 1]);
+    assert_eq!(rt.snapshot().controller, None);
+    drop(handle);
+    rt.shutdown();
+}
+
 /// N = 2 of the paper's grid in 6 s windows, each measured against the prediction at the LLM
 /// share its window realised (a window sees one stretch of the simulation's deterministic
 /// draws, whose share strays from p = 0.35 by a few points and moves throughput by up to

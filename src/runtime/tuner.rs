@@ -44,6 +44,17 @@ pub(crate) struct TunerSettings {
     pub latency_prior: Vec<Option<AffineLatency>>,
 }
 
+/// Where the current tuning period started.
+struct Period {
+    /// Committed tokens so far, at its start.
+    tokens: u64,
+    /// Live requests at its start.
+    live: usize,
+    start: Instant,
+    /// Whether it runs an arm of the eager check (delayed thresholds were in force).
+    checked: bool,
+}
+
 pub(crate) struct TunerActor {
     settings: TunerSettings,
     recorders: Vec<ModelRecorder>,
@@ -57,8 +68,7 @@ pub(crate) struct TunerActor {
     /// The comparison as the runtime's snapshot reads it.
     published: Arc<Mutex<Option<ArmComparison>>>,
     metrics: ControllerMetrics,
-    /// Committed tokens, live requests and time at the start of the current period.
-    period: (u64, usize, Instant),
+    period: Period,
     /// The last choice: for which N, the thresholds, and periods since.
     solved: Option<(usize, Vec<usize>, usize)>,
 }
@@ -81,7 +91,12 @@ impl TunerActor {
             checks: BTreeMap::new(),
             published,
             metrics: ControllerMetrics::new(),
-            period: (0, 0, Instant::now()),
+            period: Period {
+                tokens: 0,
+                live: 0,
+                start: Instant::now(),
+                checked: false,
+            },
             solved: None,
         }
     }
@@ -100,17 +115,39 @@ impl TunerActor {
             .or_insert_with(|| EagerCheck::new(EXPLOIT_PERIODS))
     }
 
-    /// Closes the period that just ran: its throughput goes to the arm it ran in its
-    /// live-request count's check. A period whose count changed is left out (the next runs
-    /// the new count's arm), as is one that committed fewer tokens than requests are live
-    /// (mostly prefill).
+    /// Starts a period outside the eager check (its throughput compares nothing).
+    fn restart_period(&mut self) {
+        self.period = Period {
+            tokens: self.committed_tokens(),
+            live: self.live.len(),
+            start: Instant::now(),
+            checked: false,
+        };
+    }
+
+    /// Closes the period that just ran and starts one inside the eager check: its throughput
+    /// goes to the arm it ran in its live-request count's check. A period outside the check,
+    /// one whose count changed (the next runs the new count's arm), and one that committed
+    /// fewer tokens than requests are live (mostly prefill) are left out.
     fn close_period(&mut self) -> Arm {
         let (tokens, live, now) = (self.committed_tokens(), self.live.len(), Instant::now());
-        let (start_tokens, start_live, start) =
-            std::mem::replace(&mut self.period, (tokens, live, now));
-        let seconds = (now - start).as_secs_f64();
-        let committed = tokens - start_tokens;
-        if live != start_live || live == 0 || seconds <= 0.0 || committed < live as u64 {
+        let ended = std::mem::replace(
+            &mut self.period,
+            Period {
+                tokens,
+                live,
+                start: now,
+                checked: true,
+            },
+        );
+        let seconds = (now - ended.start).as_secs_f64();
+        let committed = tokens - ended.tokens;
+        if !ended.checked
+            || live != ended.live
+            || live == 0
+            || seconds <= 0.0
+            || committed < live as u64
+        {
             return self.check(live).running();
         }
         let check = self.check(live);
@@ -162,19 +199,22 @@ impl TunerActor {
     }
 
     fn retune(&mut self) {
-        let arm = self.close_period();
         let n = self.live.len().min(self.settings.max_requests);
-        if n == 0 {
-            return;
-        }
-        let thresholds = match arm {
-            Arm::Eager => vec![1; self.batchers.len()],
-            Arm::Tuned => match self.tuned_thresholds(n) {
-                Some(thresholds) => thresholds,
-                None => return,
+        let tuned = (n > 0).then(|| self.tuned_thresholds(n)).flatten();
+        let thresholds = match tuned {
+            // The model is not ready yet: the configured thresholds stay.
+            None => return self.restart_period(),
+            // Eager launch is the model's own choice: there is nothing to check it against.
+            Some(tuned) if tuned.iter().all(|&b| b == 1) => {
+                self.restart_period();
+                tuned
+            }
+            Some(tuned) => match self.close_period() {
+                Arm::Tuned => tuned,
+                Arm::Eager => vec![1; tuned.len()],
             },
         };
-        tracing::debug!(?arm, n, ?thresholds, "thresholds");
+        tracing::debug!(n, ?thresholds, "thresholds");
         for (batcher, b) in self.batchers.iter().zip(thresholds) {
             batcher.set_threshold(b);
         }
