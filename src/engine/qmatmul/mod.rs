@@ -500,10 +500,16 @@ mod tests {
 
     /// The SIMD kernels do the portable kernels' integer arithmetic: they differ only in the
     /// order f32 partial sums are added. Row counts 1 to 8 take every one-column row tile
-    /// whole, 11 and 13 the two-column tiles with each remainder.
+    /// whole, 11 and 13 the two-column tiles with each remainder, 37 the unpacked columns.
     #[test]
     fn simd_and_portable_kernels_agree_closely() {
-        let shapes = [(19, 160, 11), (9, 960, 10), (7, 768, 12), (4, 256, 13)];
+        let shapes = [
+            (19, 160, 11),
+            (9, 960, 10),
+            (7, 768, 12),
+            (4, 256, 13),
+            (5, 576, 37),
+        ];
         let row_counts = (1..=8).map(|rows| (3, 256, rows));
         for (n, k, rows) in shapes.into_iter().chain(row_counts) {
             let x = random(rows * k, 5);
@@ -701,7 +707,14 @@ mod tests {
 
     #[test]
     fn rows_do_not_depend_on_batch_mates_or_threads() {
-        let (n, rows) = (70, 13);
+        // 13 rows run the two-column tiles, 37 the unpacked columns (VNNI).
+        for rows in [13, 37] {
+            rows_alone_and_batched_agree(rows);
+        }
+    }
+
+    fn rows_alone_and_batched_agree(rows: usize) {
+        let n = 70;
         let pool = crate::engine::pool::StepPool::new(2, "test").unwrap();
         for (dtype, k) in [
             (GgmlDType::F32, 128),

@@ -752,8 +752,54 @@ pub mod vnni {
         })
     }
 
-    /// A 64-byte load unpacks into two vectors (32 bytes into a two-block group's one); with
-    /// `FIVE`, a masked add puts 16 onto the quants whose fifth bit is set.
+    /// Group `group`'s vectors of `C` nibble columns unpacked into bytes, handed to
+    /// `add(vectors, index)` one vector index at a time: a 64-byte load unpacks into two
+    /// vectors (32 bytes into a two-block group's one); with `FIVE`, a masked add puts 16 onto
+    /// the quants whose fifth bit is set.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn unpack_group<const C: usize, const FIVE: bool>(
+        quants: [*const u8; C],
+        high: [*const u8; C],
+        group: Group,
+        mut add: impl FnMut([__m512i; C], usize),
+    ) {
+        let (low_mask, sixteen) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
+        let packed = quants.map(|q| q.add(group.first_block * 16));
+        for line in (0..group.blocks * 16).step_by(64) {
+            prefetch_each(packed, line);
+        }
+        let mut add = |nibbles: [__m512i; C], vector: usize| {
+            let nibbles: [__m512i; C] = match FIVE {
+                true => std::array::from_fn(|c| {
+                    let mask: __mmask64 = fifth_bits(high[c], group, vector, 0);
+                    _mm512_mask_add_epi8(nibbles[c], mask, nibbles[c], sixteen)
+                }),
+                false => nibbles,
+            };
+            add(nibbles, vector)
+        };
+        if group.blocks == 2 {
+            let mask = _mm512_castsi512_si256(low_mask);
+            add(
+                packed.map(|p| {
+                    let bytes = _mm256_loadu_si256(p.cast());
+                    let low = _mm256_and_si256(bytes, mask);
+                    let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+                    _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1)
+                }),
+                0,
+            );
+        } else {
+            for pair in 0..group.vectors() / 2 {
+                let bytes = packed.map(|p| _mm512_loadu_si512(p.add(pair * 64).cast()));
+                add(bytes.map(|b| _mm512_and_si512(b, low_mask)), 2 * pair);
+                let high = bytes.map(|b| _mm512_and_si512(_mm512_srli_epi16(b, 4), low_mask));
+                add(high, 2 * pair + 1);
+            }
+        }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
     #[allow(clippy::needless_range_loop)] // index loops: see the module docs
@@ -766,45 +812,71 @@ pub mod vnni {
     ) {
         let quants = quant_pointers(columns, x, 16);
         let high = high_bits::<C, FIVE>(columns, x);
-        let (low_mask, sixteen) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
         groups::<R, C>(columns, x, first_row, out, stride, |group, tile, dots| {
-            let packed = quants.map(|q| q.add(group.first_block * 16));
-            for line in (0..group.blocks * 16).step_by(64) {
-                prefetch_each(packed, line);
-            }
-            let mut add = |nibbles: [__m512i; C], vector: usize| {
+            unpack_group::<C, FIVE>(quants, high, group, |nibbles, vector| {
                 let offset = vector_offset(group, vector);
-                let nibbles: [__m512i; C] = match FIVE {
-                    true => std::array::from_fn(|c| {
-                        let mask: __mmask64 = fifth_bits(high[c], group, vector, 0);
-                        _mm512_mask_add_epi8(nibbles[c], mask, nibbles[c], sixteen)
-                    }),
-                    false => nibbles,
-                };
                 for r in 0..R {
                     let row = _mm512_load_si512(tile.quants(r, offset).cast());
                     for c in 0..C {
                         dots[c][r] = _mm512_dpbusd_epi32(dots[c][r], nibbles[c], row);
                     }
                 }
-            };
-            if group.blocks == 2 {
-                let mask = _mm512_castsi512_si256(low_mask);
-                add(
-                    packed.map(|p| {
-                        let bytes = _mm256_loadu_si256(p.cast());
-                        let low = _mm256_and_si256(bytes, mask);
-                        let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-                        _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1)
-                    }),
-                    0,
-                );
-            } else {
-                for pair in 0..group.vectors() / 2 {
-                    let bytes = packed.map(|p| _mm512_loadu_si512(p.add(pair * 64).cast()));
-                    add(bytes.map(|b| _mm512_and_si512(b, low_mask)), 2 * pair);
-                    let high = bytes.map(|b| _mm512_and_si512(_mm512_srli_epi16(b, 4), low_mask));
-                    add(high, 2 * pair + 1);
+            })
+        })
+    }
+
+    /// A nibble column's quants as `q4_tile` unpacks them (one byte each, fifth bits added,
+    /// in the rows' vector layout) into `out`, 64-byte aligned and `stored_blocks · 32` long.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    pub unsafe fn unpack_nibbles(column: &Column, x: &QuantizedRows, out: &mut [u8]) {
+        assert!(out.len() == x.stored_blocks() * 32 && out.as_ptr().addr().is_multiple_of(64));
+        let columns = std::array::from_ref(column);
+        let quants = quant_pointers(columns, x, 16);
+        let base = out.as_mut_ptr();
+        let store = |nibbles: [__m512i; 1], group: Group, vector: usize| {
+            _mm512_store_si512(base.add(vector_offset(group, vector)).cast(), nibbles[0]);
+        };
+        for &group in x.groups() {
+            match column.format.has_high_bits() {
+                true => {
+                    let high = high_bits::<1, true>(columns, x);
+                    unpack_group::<1, true>(quants, high, group, |n, v| store(n, group, v))
+                }
+                false => {
+                    let high = high_bits::<1, false>(columns, x);
+                    unpack_group::<1, false>(quants, high, group, |n, v| store(n, group, v))
+                }
+            }
+        }
+    }
+
+    /// `q4_tile` over columns unpacked beforehand by `unpack_nibbles` (`unpacked[c]` for
+    /// `columns[c]`): the same integer sums and epilogue, so the same results, without
+    /// unpacking the columns again for every row tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    #[allow(clippy::needless_range_loop)] // index loops: see the module docs
+    pub unsafe fn unpacked_tile<const R: usize, const C: usize>(
+        columns: &[Column; C],
+        unpacked: [&[u8]; C],
+        x: &QuantizedRows,
+        first_row: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let unpacked = unpacked.map(|u| {
+            assert!(u.len() == x.stored_blocks() * 32 && u.as_ptr().addr().is_multiple_of(64));
+            u.as_ptr()
+        });
+        groups::<R, C>(columns, x, first_row, out, stride, |group, tile, dots| {
+            for vector in 0..group.vectors() {
+                let offset = vector_offset(group, vector);
+                let weights = unpacked.map(|u| _mm512_load_si512(u.add(offset).cast()));
+                for r in 0..R {
+                    let row = _mm512_load_si512(tile.quants(r, offset).cast());
+                    for c in 0..C {
+                        dots[c][r] = _mm512_dpbusd_epi32(dots[c][r], weights[c], row);
+                    }
                 }
             }
         })
