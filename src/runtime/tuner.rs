@@ -115,14 +115,20 @@ impl TunerActor {
             .or_insert_with(|| EagerCheck::new(EXPLOIT_PERIODS))
     }
 
-    /// Starts a period outside the eager check (its throughput compares nothing).
-    fn restart_period(&mut self) {
-        self.period = Period {
+    /// Starts the next period, inside the eager check or not, and returns the one that ended.
+    fn next_period(&mut self, checked: bool) -> Period {
+        let next = Period {
             tokens: self.committed_tokens(),
             live: self.live.len(),
             start: Instant::now(),
-            checked: false,
+            checked,
         };
+        std::mem::replace(&mut self.period, next)
+    }
+
+    /// Starts a period outside the eager check (its throughput compares nothing).
+    fn restart_period(&mut self) {
+        self.next_period(false);
     }
 
     /// Closes the period that just ran and starts one inside the eager check: its throughput
@@ -130,16 +136,13 @@ impl TunerActor {
     /// one whose count changed (the next runs the new count's arm), and one that committed
     /// fewer tokens than requests are live (mostly prefill) are left out.
     fn close_period(&mut self) -> Arm {
-        let (tokens, live, now) = (self.committed_tokens(), self.live.len(), Instant::now());
-        let ended = std::mem::replace(
-            &mut self.period,
-            Period {
-                tokens,
-                live,
-                start: now,
-                checked: true,
-            },
-        );
+        let ended = self.next_period(true);
+        let Period {
+            tokens,
+            live,
+            start: now,
+            ..
+        } = self.period;
         let seconds = (now - ended.start).as_secs_f64();
         let committed = tokens - ended.tokens;
         if !ended.checked
