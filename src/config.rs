@@ -1,6 +1,7 @@
 //! The TOML configuration: schema, defaults and validation in one place.
 
 use crate::error::ConfigError;
+use crate::runtime::core::StepLimits;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -364,6 +365,10 @@ pub struct RuntimeConfig {
     /// KV budget needs the room). Off, every request computes its whole prompt.
     #[serde(default = "default_true")]
     pub prefix_cache: bool,
+    /// Every row a model holds (a decode, a prompt chunk, a catch-up) runs within this many
+    /// of its steps of becoming ready, whatever the step budget says (>= 1).
+    #[serde(default = "default_max_wait_steps")]
+    pub max_wait_steps: usize,
 }
 
 fn default_true() -> bool {
@@ -379,8 +384,13 @@ impl Default for RuntimeConfig {
             retune_interval_ms: default_retune_interval_ms(),
             retune_max_requests: default_retune_max_requests(),
             prefix_cache: true,
+            max_wait_steps: default_max_wait_steps(),
         }
     }
+}
+
+fn default_max_wait_steps() -> usize {
+    4
 }
 
 fn default_batch_timeout_ms() -> u64 {
@@ -583,6 +593,8 @@ struct StepProfile {
     fit: StepProfileFit,
     #[serde(default)]
     prefill: Option<StepProfilePrefill>,
+    #[serde(default)]
+    chunk: Option<StepProfileChunk>,
 }
 
 #[derive(Deserialize)]
@@ -593,21 +605,40 @@ struct StepProfileFit {
 
 #[derive(Deserialize)]
 struct StepProfilePrefill {
+    tokens: usize,
     tokens_per_s: f64,
+}
+
+/// One chunk timed early and late in a long prompt: what attending the context costs.
+#[derive(Deserialize)]
+struct StepProfileChunk {
+    context_cost: f64,
 }
 
 /// Decode rows a default token budget leaves room for.
 const BUDGET_DECODE_ROWS: f64 = 8.0;
 
+/// What a step's prompt or catch-up chunk may add to it, in steps of those decode rows.
+const BUDGET_CHUNK_STEPS: f64 = 0.5;
+
 impl StepProfile {
-    /// The default token budget: room for 8 decode rows plus a prompt chunk that costs
-    /// about 1.5 of their steps at the measured prefill rate, so a step carrying a chunk
-    /// takes about 2.5× an ordinary one. `None` without a prefill measurement.
-    fn token_budget(&self) -> Option<usize> {
-        let prefill = self.prefill.as_ref()?.tokens_per_s;
+    /// What one token attending one more position costs, in tokens at context 0.
+    fn context_cost(&self) -> f64 {
+        self.chunk.as_ref().map_or(0.0, |c| c.context_cost)
+    }
+
+    /// The default step budget in tokens at context 0: room for 8 decode rows plus a chunk
+    /// that costs about half of one of their steps at the measured prefill rate, so a step
+    /// carrying a chunk takes about 1.5× an ordinary one, early or late in a long prompt. `None`
+    /// without a prefill measurement.
+    fn budget(&self) -> Option<f64> {
+        let prefill = self.prefill.as_ref()?;
+        // The prefill ran from context 0: its tokens' mean cost in tokens at context 0.
+        let k = self.context_cost();
+        let mean_cost = 1.0 + k * (prefill.tokens as f64 - 1.0) / 2.0;
         let decode_step_ms = self.fit.a_ms + BUDGET_DECODE_ROWS * self.fit.c_ms;
-        let chunk = prefill * 1.5 * decode_step_ms / 1000.0;
-        (chunk.is_finite() && chunk > 0.0).then(|| (BUDGET_DECODE_ROWS + chunk).ceil() as usize)
+        let chunk = prefill.tokens_per_s * mean_cost * BUDGET_CHUNK_STEPS * decode_step_ms / 1e3;
+        (chunk.is_finite() && chunk > 0.0).then(|| (BUDGET_DECODE_ROWS + chunk).ceil())
     }
 }
 
@@ -787,6 +818,11 @@ impl Config {
                 "`models` must name at least one model".into(),
             ));
         }
+        if self.runtime.max_wait_steps == 0 {
+            return Err(ConfigError::Invalid(
+                "runtime.max_wait_steps must be >= 1 (1: every row runs every step)".into(),
+            ));
+        }
         let mut names = HashSet::new();
         for model in &self.models {
             if !names.insert(model.name.as_str()) {
@@ -962,12 +998,19 @@ impl Config {
 }
 
 impl ModelConfig {
-    /// The most tokens one step of this model appends (`None`: unlimited).
-    pub fn step_tokens(&self) -> Result<Option<usize>, ConfigError> {
-        Ok(match self.step_token_budget {
-            Some(TokenBudget::Tokens(n)) => Some(n),
-            Some(TokenBudget::Unlimited) => None,
-            None => self.read_step_profile()?.and_then(|p| p.token_budget()),
+    /// How this model's steps are limited: the token budget (`step_token_budget`, else from
+    /// the step profile, else unlimited), the context cost the profile measured (0 without
+    /// one: tokens only) and the runtime's wait bound.
+    pub(crate) fn step_limits(&self, max_wait_steps: usize) -> Result<StepLimits, ConfigError> {
+        let profile = self.read_step_profile()?;
+        Ok(StepLimits {
+            budget: match self.step_token_budget {
+                Some(TokenBudget::Tokens(n)) => Some(n as f64),
+                Some(TokenBudget::Unlimited) => None,
+                None => profile.as_ref().and_then(StepProfile::budget),
+            },
+            context_cost: profile.as_ref().map_or(0.0, StepProfile::context_cost),
+            max_wait_steps,
         })
     }
 

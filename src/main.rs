@@ -675,6 +675,7 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         steps: args.steps,
         context: args.context,
         prefill_tokens: args.prefill_tokens.max(1),
+        ..Default::default()
     };
     if let Some(other) = &args.concurrent_with {
         let other = with_overrides(pick_model(&config, Some(other))?);

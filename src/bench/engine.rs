@@ -32,6 +32,35 @@ pub struct PrefillResult {
     pub tokens_per_s: f64,
 }
 
+/// One prompt chunk timed at the start of a sequence and after a long context: the runtime's
+/// step budget prices a chunk by the context it attends over with `context_cost`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChunkResult {
+    pub tokens: usize,
+    pub context: usize,
+    pub early_ms_median: f64,
+    pub late_ms_median: f64,
+    /// What one token attending one more position costs, in tokens at context 0.
+    pub context_cost: f64,
+}
+
+impl ChunkResult {
+    /// A chunk of t tokens after c positions costs t·(1 + k·(c + (t − 1)/2)) tokens at
+    /// context 0; the two timings' ratio r gives k = (r − 1) / (c + h·(1 − r)), h = (t − 1)/2.
+    fn new(tokens: usize, context: usize, early_ms_median: f64, late_ms_median: f64) -> Self {
+        let r = late_ms_median / early_ms_median;
+        let h = (tokens as f64 - 1.0) / 2.0;
+        let k = (r - 1.0) / (context as f64 + h * (1.0 - r));
+        Self {
+            tokens,
+            context,
+            early_ms_median,
+            late_ms_median,
+            context_cost: if k.is_finite() { k.max(0.0) } else { 0.0 },
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct EngineBenchReport {
     pub model: String,
@@ -40,6 +69,7 @@ pub struct EngineBenchReport {
     pub rows: Vec<EngineBenchRow>,
     pub fit: AffineFit,
     pub prefill: PrefillResult,
+    pub chunk: ChunkResult,
     /// With the weights in host memory and a B = 1 row.
     pub bound: Option<Bound>,
     /// The process's peak resident memory once the model was loaded (before any step).
@@ -51,6 +81,9 @@ pub struct EngineBenchSettings {
     pub steps: usize,
     pub context: usize,
     pub prefill_tokens: usize,
+    /// The chunk timed early and late in a long prompt, and the context before the late one.
+    pub chunk_tokens: usize,
+    pub chunk_context: usize,
 }
 
 impl Default for EngineBenchSettings {
@@ -61,6 +94,8 @@ impl Default for EngineBenchSettings {
             steps: 16,
             context: 64,
             prefill_tokens: 512,
+            chunk_tokens: 32,
+            chunk_context: 1536,
         }
     }
 }
@@ -267,6 +302,43 @@ fn steps_and_prefill(
     ))
 }
 
+/// Median times of a chunk at the start of a sequence and after `chunk_context` positions
+/// (fewer where the model's context is shorter), alternated over 5 rounds (the late one rolled
+/// back after each).
+fn chunk_early_and_late(
+    executor: &mut dyn StepExecutor,
+    settings: &EngineBenchSettings,
+) -> EngineResult<ChunkResult> {
+    let vocab = executor.vocab_size();
+    let room = executor.context_length();
+    let tokens = settings.chunk_tokens.min(room / 2).max(1);
+    let context = settings.chunk_context.min(room.saturating_sub(tokens));
+    let long = 2_000_000;
+    for piece in filler(context, 7, vocab).chunks(512) {
+        executor.step(&[work(long, piece.to_vec())])?;
+    }
+    let (mut early, mut late) = (Vec::new(), Vec::new());
+    for round in 0..5 {
+        let chunk = filler(tokens, 100 + round, vocab);
+        let fresh = long + 1 + round as u64;
+        let start = Instant::now();
+        executor.step(&[work(fresh, chunk.clone())])?;
+        early.push(start.elapsed().as_secs_f64() * 1e3);
+        executor.free(SeqId(fresh));
+        let start = Instant::now();
+        executor.step(&[work(long, chunk)])?;
+        late.push(start.elapsed().as_secs_f64() * 1e3);
+        executor.truncate(SeqId(long), context);
+    }
+    executor.free(SeqId(long));
+    Ok(ChunkResult::new(
+        tokens,
+        context,
+        median(&mut early),
+        median(&mut late),
+    ))
+}
+
 /// Benchmarks a loaded executor; `load_peak_rss_mib` is the process's peak memory measured
 /// right after loading (the steps and the bandwidth probe raise it afterwards).
 pub fn run(
@@ -277,6 +349,7 @@ pub fn run(
     settings: &EngineBenchSettings,
 ) -> EngineResult<EngineBenchReport> {
     let (rows, fit, prefill) = steps_and_prefill(executor, settings)?;
+    let chunk = chunk_early_and_late(executor, settings)?;
     let b1_ms = rows.iter().find(|r| r.batch == 1).map(|r| r.step_ms_median);
     let bound = match (executor.weight_bytes_per_step(), b1_ms) {
         (Some(bytes), Some(b1_ms)) => {
@@ -292,6 +365,7 @@ pub fn run(
         rows,
         fit,
         prefill,
+        chunk,
         bound,
         load_peak_rss_mib,
     })
@@ -316,6 +390,12 @@ impl EngineBenchReport {
             self.prefill.tokens,
             self.prefill.ms_median,
             self.prefill.tokens_per_s
+        );
+        let c = &self.chunk;
+        out += &format!(
+            "a {}-token chunk: {:.2} ms at context 0, {:.2} ms after {} positions: context \
+             cost {:.2e} tokens per position\n",
+            c.tokens, c.early_ms_median, c.late_ms_median, c.context, c.context_cost
         );
         if let Some(mib) = self.load_peak_rss_mib {
             out += &format!("loading: peak resident memory {mib:.0} MiB\n");

@@ -25,14 +25,24 @@ where
     F: Fn(usize) -> Job + Clone + 'static,
     Job: std::future::Future<Output = ()> + 'static,
 {
+    for_each_closed_loop_while(concurrency, move |i| i < count, job).await
+}
+
+/// As `for_each_closed_loop`, starting job `i` while `more(i)` holds.
+pub async fn for_each_closed_loop_while<M, F, Job>(concurrency: usize, more: M, job: F)
+where
+    M: Fn(usize) -> bool + Clone + 'static,
+    F: Fn(usize) -> Job + Clone + 'static,
+    Job: std::future::Future<Output = ()> + 'static,
+{
     let next = std::rc::Rc::new(std::cell::Cell::new(0usize));
     let workers: Vec<_> = (0..concurrency)
         .map(|_| {
-            let (next, job) = (next.clone(), job.clone());
+            let (next, job, more) = (next.clone(), job.clone(), more.clone());
             actix_rt::spawn(async move {
                 loop {
                     let i = next.get();
-                    if i >= count {
+                    if !more(i) {
                         break;
                     }
                     next.set(i + 1);

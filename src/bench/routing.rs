@@ -480,6 +480,8 @@ pub(super) struct Tally {
     token_times: Vec<Instant>,
     /// When the long prompt was sent and when its request ended.
     long_prompt_window: Option<(Instant, Instant)>,
+    /// The long prompt's request ended (finished or failed).
+    long_prompt_done: bool,
 }
 
 impl Tally {
@@ -652,11 +654,25 @@ async fn closed_loop(
                 let _ = follow(handle).await;
                 tally.borrow_mut().long_prompt_window = Some((sent, Instant::now()));
             }
+            tally.borrow_mut().long_prompt_done = true;
         })
     });
+    // With a long prompt, requests keep coming until the stretch after it (as long as it
+    // ran) has passed, so that stretch sees as many decoding requests as the prompt did.
+    let (requests, window_tally) = (settings.requests, tally.clone());
+    let with_long_prompt = settings.long_prompt.is_some();
+    let more = move |i: usize| {
+        let t = window_tally.borrow();
+        i < requests
+            || with_long_prompt
+                && t.long_prompt_window
+                    .map_or(!t.long_prompt_done, |(start, end)| {
+                        Instant::now() < end + (end - start)
+                    })
+    };
     let policy: Rc<str> = policy.into();
     let (job_tally, max_tokens) = (tally.clone(), settings.max_tokens);
-    super::for_each_closed_loop(concurrency, settings.requests, move |i| {
+    super::for_each_closed_loop_while(concurrency, more, move |i| {
         let (runtime, prompts, tally, policy) = (
             runtime.clone(),
             prompts.clone(),
@@ -991,6 +1007,8 @@ impl CellId<'_> {
         let med = |v: &mut Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
         let gaps: Vec<f64> = t.gaps.iter().map(|&(_, ms)| ms).collect();
         let long_prompt_gaps = long_prompt_gap_ratios(&t);
+        // The requests a long prompt's stretch after it added are not the cell's own.
+        t.outputs.retain(|(i, _)| *i < settings.requests);
         t.outputs.sort();
         let mut digest = std::collections::hash_map::DefaultHasher::new();
         t.outputs.hash(&mut digest);

@@ -4,7 +4,7 @@
 //! request that leaves stays **pending** here (KV kept) and resumes with a token append.
 
 use super::batcher::BatcherActor;
-use super::core::{Effect, ModelScheduler, Sampled, StepPlan, TokenLogprobs};
+use super::core::{Effect, ModelScheduler, Sampled, StepLimits, StepPlan, TokenLogprobs};
 use super::link::{Client, ModelLink};
 use super::live::LiveRequests;
 use super::messages::{Committed, Failed, Finished, FreeRequest, ModelIdle, Release, Request};
@@ -49,8 +49,7 @@ pub(crate) struct ModelActorParts {
     pub global_step_lock: Option<StepLock>,
     pub fault_every_steps: u64,
     pub model_names: Arc<[String]>,
-    /// Most tokens one step appends (`None`: unlimited).
-    pub step_tokens: Option<usize>,
+    pub step_limits: StepLimits,
 }
 
 impl ModelActor {
@@ -63,7 +62,7 @@ impl ModelActor {
                 parts.peers.len(),
                 &name,
                 parts.mode,
-                parts.step_tokens,
+                parts.step_limits,
             ),
             name,
             model_names: parts.model_names,

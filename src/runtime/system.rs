@@ -16,7 +16,7 @@ use super::request::{RequestActor, RequestEvent};
 use super::step_lock::{serve_step_lock, StepLock};
 use super::tuner::{TunerActor, TunerSettings};
 use super::wire::{self, ModelFacts};
-use crate::config::{Config, ExecutionMode, ModelConfig, Placement, PolicyConfig, PolicyUpdate};
+use crate::config::{Config, ExecutionMode, Placement, PolicyConfig, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{load_executor, SamplingParams, StepExecutor};
@@ -340,10 +340,10 @@ impl Runtime {
                 .kv_mut()
                 .set_prefix_sharing(config.runtime.prefix_cache);
         }
-        let step_tokens = config
+        let step_limits = config
             .models
             .iter()
-            .map(ModelConfig::step_tokens)
+            .map(|m| m.step_limits(config.runtime.max_wait_steps))
             .collect::<Result<Vec<_>, _>>()?;
         // With a bus, every process hosting a model says what it is and asks the others.
         let bus = match (&config.cluster, &role) {
@@ -495,7 +495,7 @@ impl Runtime {
                 global_step_lock: global_step_lock.clone(),
                 fault_every_steps: model_config.fault_every_steps,
                 model_names: model_names.clone(),
-                step_tokens: step_tokens[idx],
+                step_limits: step_limits[idx],
             };
             let model =
                 Supervisor::start_in_arbiter(&arbiter.handle(), move |_| ModelActor::new(parts));

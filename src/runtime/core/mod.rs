@@ -4,11 +4,13 @@
 //! carry out the effects it returns. Unit tests drive it with a fake KV store and a manual
 //! clock.
 
+mod budget;
 mod gate;
 mod request;
 mod scheduler;
 mod stream_order;
 
+pub(crate) use budget::StepLimits;
 pub use gate::ReleaseReason;
 pub(crate) use gate::{BatchGate, GateDecision};
 pub use request::{

@@ -7,6 +7,7 @@
 //! fails. Its methods change KV only through `KvOps` and return the effects on clients and
 //! other models for the actor to carry out, in order.
 
+use super::budget::StepLimits;
 use super::request::{
     EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RoutingStats, Sampled,
     TokenLogprobs,
@@ -91,10 +92,6 @@ impl KvOps for Box<dyn StepExecutor> {
         StepExecutor::free(self.as_mut(), seq)
     }
 }
-
-/// Rows of at most this many unseen tokens (a decode, a handoff's catch-up) are planned
-/// before prompts.
-const SHORT_ROW_TOKENS: usize = BLOCK_TOKENS;
 
 /// What the actor must do after a scheduler call, in order.
 pub(crate) enum Effect<C> {
@@ -189,9 +186,10 @@ pub(crate) struct ModelScheduler<C> {
     models: usize,
     name: String,
     mode: ExecutionMode,
-    /// Most tokens one step appends (`None`: unlimited).
-    step_tokens: Option<usize>,
+    limits: StepLimits,
     resident: Vec<InFlight<C>>,
+    /// Per resident: the steps it has waited since it became ready (admitted, or last ran).
+    waited: HashMap<RequestId, usize>,
     /// The KV sequence of each request this model holds (resident or pending).
     seqs: HashMap<RequestId, SeqId>,
     pending: HashSet<RequestId>,
@@ -207,15 +205,16 @@ impl<C: Clone> ModelScheduler<C> {
         models: usize,
         name: &str,
         mode: ExecutionMode,
-        step_tokens: Option<usize>,
+        limits: StepLimits,
     ) -> Self {
         Self {
             model,
             models,
             name: name.to_string(),
             mode,
-            step_tokens,
+            limits,
             resident: Vec::new(),
+            waited: HashMap::new(),
             seqs: HashMap::new(),
             pending: HashSet::new(),
             reattach: HashSet::new(),
@@ -240,6 +239,7 @@ impl<C: Clone> ModelScheduler<C> {
     /// re-prefill from their committed tokens when they return.
     pub fn reset(&mut self) {
         self.resident.clear();
+        self.waited.clear();
         self.seqs.clear();
         self.pending.clear();
         self.reattach.clear();
@@ -273,6 +273,7 @@ impl<C: Clone> ModelScheduler<C> {
         }
         self.pending.remove(&rid);
         self.reattach.remove(&rid);
+        self.waited.remove(&rid);
     }
 
     /// A request ended (finished, cancelled, failed elsewhere): drop it and all its KV here.
@@ -316,6 +317,7 @@ impl<C: Clone> ModelScheduler<C> {
             seen = kv.truncate(self.seqs[&rid], committed - 1);
         }
         arrival.state.seen[self.model] = seen;
+        self.waited.insert(rid, 0);
         self.resident.push(arrival);
     }
 
@@ -387,28 +389,40 @@ impl<C: Clone> ModelScheduler<C> {
     /// Chooses the rows of the next step (see `schedule`), preempting pending requests where
     /// the KV they hold is needed.
     fn plan_rows(&mut self, kv: &mut impl KvOps) -> Vec<PlannedRow> {
-        // Short rows first, shortest first (decode, then handoff catch-ups, so a long
-        // prompt's chunks never hold them up); then prompts in arrival order.
+        // The shortest work first (decode rows, then catch-ups and prompts by their unseen
+        // tokens), so a long prompt's chunks never hold up a decode or a catch-up; a row that
+        // waited its bound runs past the budget, so shorter work arriving all the time cannot
+        // starve it, and without taking the budget from the rows before it.
+        let due_after = self.limits.max_wait_steps.saturating_sub(1);
+        let waited: Vec<usize> = self
+            .resident
+            .iter()
+            .map(|r| self.waited.get(&r.rid()).copied().unwrap_or(0))
+            .collect();
         let mut order: Vec<usize> = (0..self.resident.len()).collect();
-        order.sort_by_key(|&i| match self.resident[i].state.unseen(self.model).len() {
-            short @ ..=SHORT_ROW_TOKENS => (false, short),
-            _ => (true, 0),
-        });
-        let mut budget = self.step_tokens.unwrap_or(usize::MAX);
+        order.sort_by_key(|&i| self.resident[i].state.unseen(self.model).len());
+        let mut left = self.limits.budget.unwrap_or(f64::INFINITY);
         let mut reserved = 0;
         let mut rows: Vec<PlannedRow> = Vec::new();
         for i in order {
-            if budget == 0 {
-                break;
-            }
             let r = &self.resident[i];
-            let (rid, unseen) = (r.rid(), r.state.unseen(self.model).len());
+            let (rid, from, unseen) = (
+                r.rid(),
+                r.state.seen[self.model],
+                r.state.unseen(self.model).len(),
+            );
             if self.reattach.contains(&rid) {
                 // Preempted in this round: it starts over next step.
                 continue;
             }
-            let mut tokens = unseen.min(budget);
-            if tokens > 1 && self.computed_by_another_row(i, &rows) {
+            let due = waited[i] >= due_after;
+            let mut tokens = match self.limits.tokens_within(from, unseen, left) {
+                // The bound outranks the budget: a due row runs a token at least.
+                0 if due => 1,
+                0 => continue,
+                fits => fits,
+            };
+            if tokens > 1 && !due && self.computed_by_another_row(i, &rows) {
                 self.reattach.insert(rid);
                 self.counters.prefix_waits += 1;
                 continue;
@@ -424,7 +438,7 @@ impl<C: Clone> ModelScheduler<C> {
                 continue;
             }
             reserved += kv.tokens_needed(seq, tokens);
-            budget -= tokens;
+            left -= self.limits.cost(from, tokens);
             rows.push(PlannedRow {
                 resident: i,
                 tokens,
@@ -462,6 +476,11 @@ impl<C: Clone> ModelScheduler<C> {
     }
 
     fn plan(&mut self, rows: Vec<PlannedRow>) -> StepPlan {
+        for (i, r) in self.resident.iter().enumerate() {
+            let ran = rows.iter().any(|row| row.resident == i);
+            let waited = self.waited.entry(r.rid()).or_default();
+            *waited = if ran { 0 } else { *waited + 1 };
+        }
         let work = rows
             .iter()
             .map(|row| {
@@ -669,6 +688,7 @@ impl<C: Clone> ModelScheduler<C> {
         r.handoff = Some(r.params.policy.send(&r.state, to));
         r.stats.handoffs += 1;
         r.arrived = now;
+        self.waited.remove(&rid);
         if self.mode == ExecutionMode::Standard {
             self.release_seq(kv, rid);
         } else {
@@ -688,6 +708,8 @@ mod tests {
     use std::collections::BTreeSet;
 
     const EOS: u32 = 0;
+
+    mod fairness;
 
     /// What an executor's step does to the block manager: reserve, then commit the tokens.
     fn run_on_kv(kv: &mut KvStore, work: &[SeqWork]) {
@@ -724,7 +746,15 @@ mod tests {
     }
 
     fn scheduler(mode: ExecutionMode) -> ModelScheduler<u64> {
-        ModelScheduler::new(0, 2, "m0", mode, None)
+        ModelScheduler::new(0, 2, "m0", mode, StepLimits::unlimited())
+    }
+
+    /// A budget of `tokens` per step, priced by tokens only, with the default wait bound.
+    fn budget(tokens: f64) -> StepLimits {
+        StepLimits {
+            budget: Some(tokens),
+            ..StepLimits::unlimited()
+        }
     }
 
     /// Plans and runs one step with `candidate` for every completed row and `routes` for
@@ -893,7 +923,7 @@ mod tests {
     #[test]
     fn long_prompts_run_in_chunks_beside_the_decode_rows() {
         let mut kv = KvStore::new(1024);
-        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, Some(7));
+        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, budget(7.0));
         s.admit(&mut kv, request(1, &[5], 8), true);
         step(&mut s, &mut kv, 6, &[]);
         s.admit(&mut kv, request(2, &tokens(100, 20), 8), true);
@@ -918,7 +948,7 @@ mod tests {
     #[test]
     fn a_catch_up_is_not_held_up_by_a_long_prompt_that_came_first() {
         let mut kv = KvStore::new(1024);
-        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, Some(8));
+        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, budget(8.0));
         s.admit(&mut kv, request(1, &[5], 8), true);
         let (_, effects) = step(&mut s, &mut kv, 6, &[Route::CommitThenSwitch(1)]);
         s.admit(&mut kv, request(2, &tokens(100, 40), 8), true);
@@ -931,6 +961,42 @@ mod tests {
             sizes,
             vec![5, 3],
             "the prompt's chunk gets what the catch-up leaves"
+        );
+    }
+
+    /// The starvation a context-weighted budget exposed: a catch-up longer than a block (a
+    /// run the other model wrote) queued behind a long prompt that came first and waited for
+    /// every one of its chunks, more of them and smaller once late chunks are priced by the
+    /// context they attend over.
+    #[test]
+    fn a_long_catch_up_is_not_held_up_by_a_long_prompt_that_came_first() {
+        let mut kv = KvStore::new(4096);
+        let limits = StepLimits {
+            budget: Some(24.0),
+            context_cost: 0.4 / 1500.0,
+            max_wait_steps: usize::MAX,
+        };
+        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Tokenrouter, limits);
+        s.admit(&mut kv, request(1, &[5], 64), true);
+        let (_, effects) = step(&mut s, &mut kv, 6, &[Route::CommitThenSwitch(1)]);
+        s.admit(&mut kv, request(2, &tokens(100, 1500), 8), true);
+        for _ in 0..10 {
+            step(&mut s, &mut kv, 7, &[]);
+        }
+        // Request 1 returns with 20 tokens the other model wrote, mid-prompt.
+        s.admit(
+            &mut kv,
+            elsewhere(handed_off(effects), &tokens(30, 20)),
+            true,
+        );
+        let (work, effects) = step(&mut s, &mut kv, 7, &[]);
+        // Rows in resident order: request 2's chunk, then request 1 (admitted again).
+        assert_eq!(work[1].tokens.len(), 21, "the whole catch-up, at once");
+        assert_eq!(committed(&effects), vec![(1, 7)]);
+        let late_chunk = work[0].tokens.len();
+        assert!(
+            (1..3).contains(&late_chunk),
+            "the prompt's chunk gets what the catch-up leaves: {late_chunk}"
         );
     }
 
@@ -1105,7 +1171,7 @@ mod tests {
     fn a_finished_request_reports_its_steps_time_and_logprobs() {
         let mut kv = KvStore::new(1024);
         let mut s = scheduler(ExecutionMode::Async);
-        s.step_tokens = Some(2);
+        s.limits = budget(2.0);
         let mut r = request(1, &[5, 6, 7], 1);
         r.params.logprobs = Some(0);
         s.admit(&mut kv, r, true);
@@ -1194,7 +1260,7 @@ mod tests {
             }
         }
         let mut kv = KvStore::new(1024);
-        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, Some(4));
+        let mut s = ModelScheduler::new(0, 2, "m0", ExecutionMode::Async, budget(4.0));
         let two: SharedPolicy = Arc::new(BatchSize(2, [0, 1]));
         let one: SharedPolicy = Arc::new(BatchSize(1, [0, 1]));
         // Request 4 (policy `one`) runs a chunk of its prompt: it is not routed yet, so
