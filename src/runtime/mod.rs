@@ -4,7 +4,7 @@
 //! request's path and the four execution modes.
 
 mod batcher;
-mod cluster;
+mod bus;
 pub(crate) mod core;
 mod link;
 mod live;
@@ -15,12 +15,11 @@ mod request;
 mod step_lock;
 mod system;
 mod tuner;
-mod wire;
 
 pub use self::core::{
     EngineTiming, FailureKind, FinishReason, ReleaseReason, RequestId, RoutingStats, TokenLogprobs,
 };
-pub use cluster::{ClusterError, ReplicaStatus};
+pub use bus::{ClusterError, ReplicaStatus};
 pub use record::{ModelSnapshot, Releases, RuntimeSnapshot, StepInterval};
 pub use request::RequestEvent;
 pub use system::{

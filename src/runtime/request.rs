@@ -6,12 +6,13 @@ use super::core::{
     EngineTiming, FailureKind, FinishReason, Released, RequestId, RoutingStats, StreamOrder,
     TokenLogprobs,
 };
-use super::link::{FrontendRequests, ModelLink};
+use super::link::{ModelLink, OwnRequests};
 use super::live::LiveRequests;
 use super::messages::{Cancel, Committed, Failed, Finished, Placed, Start};
 use crate::policy::ModelIdx;
 use crate::telemetry::{RequestMetrics, RequestStatus};
 use actix::prelude::*;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -47,7 +48,7 @@ pub(crate) struct RequestActor {
     models: Vec<ModelLink>,
     live: LiveRequests,
     /// This process's requests, when a bus carries events for them from other processes.
-    frontend: Option<FrontendRequests>,
+    frontend: Option<Arc<dyn OwnRequests>>,
     /// Open for the request's whole life: `RUST_LOG=debug` shows its events and its close.
     span: tracing::Span,
     deadline: Option<Duration>,
@@ -72,7 +73,7 @@ impl RequestActor {
         events: UnboundedSender<RequestEvent>,
         models: Vec<ModelLink>,
         live: LiveRequests,
-        frontend: Option<FrontendRequests>,
+        frontend: Option<Arc<dyn OwnRequests>>,
         deadline: Option<Duration>,
     ) -> Self {
         Self {

@@ -2,20 +2,22 @@
 //! that the CLI, the server and the bench call. Must be used inside a running actix System.
 
 use super::batcher::{AttachModel, BatcherActor};
-use super::cluster::{Bus, ClusterError, ReplicaStatus};
+use super::bus::{
+    join, serve_step_lock, Bus, BusSide, BusStepLock, ClusterError, FrontendRequests, HostedModel,
+    ModelFacts, RemoteModel, ReplicaStatus,
+};
 use super::core::{
     BatchGate, EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RequestParams,
     RoutingStats,
 };
-use super::link::{BusSide, Client, FrontendRequests, HostedModel, ModelLink, RemoteModel};
+use super::link::{Client, ModelLink, OwnRequests};
 use super::live::LiveRequests;
 use super::messages::{Cancel, Start};
 use super::model::{ModelActor, ModelActorParts};
 use super::record::{ModelRecorder, RuntimeSnapshot};
 use super::request::{RequestActor, RequestEvent};
-use super::step_lock::{serve_step_lock, StepLock};
+use super::step_lock::StepLock;
 use super::tuner::{TunerActor, TunerSettings};
-use super::wire::{self, ModelFacts};
 use crate::config::{Config, ExecutionMode, Placement, PolicyConfig, PolicyUpdate};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
@@ -432,11 +434,11 @@ impl Runtime {
             .enumerate()
             .map(|(idx, (batcher, name))| match (batcher, &bus) {
                 (Some(batcher), _) => ModelLink::Local(batcher.clone()),
-                (None, Some(bus)) => ModelLink::Remote(RemoteModel {
+                (None, Some(bus)) => ModelLink::Remote(Arc::new(RemoteModel {
                     bus: bus.clone(),
                     idx,
                     name: name.as_str().into(),
-                }),
+                })),
                 (None, None) => unreachable!("a model hosted elsewhere needs the bus"),
             })
             .collect();
@@ -472,7 +474,7 @@ impl Runtime {
                 if matches!(role, Role::Frontend) {
                     serve_step_lock(bus)?;
                 }
-                Some(StepLock::over_bus(bus)?)
+                Some(BusStepLock::connect(bus)?)
             }
             _ => None,
         };
@@ -791,7 +793,9 @@ impl Runtime {
             tx,
             self.models.clone(),
             self.live.clone(),
-            self.frontend.clone(),
+            self.frontend
+                .clone()
+                .map(|f| Arc::new(f) as Arc<dyn OwnRequests>),
             timeout,
         )
         .start();
@@ -857,78 +861,4 @@ fn facts_of(executor: &dyn StepExecutor, mode: ExecutionMode, host: &str) -> Mod
         context_length: executor.context_length(),
         kv_capacity_tokens: executor.kv_usage().capacity_tokens,
     }
-}
-
-/// Every model's facts: the hosted ones as given, the others asked of their hosts until they
-/// answer or `timeout` passes. Hosted models answer `describe` as soon as this process
-/// serves them, so two processes joining at once do not wait for each other.
-fn join(
-    bus: &Bus,
-    config: &Config,
-    hosted: Vec<Option<ModelFacts>>,
-    timeout: Duration,
-    mode: ExecutionMode,
-) -> Result<Vec<ModelFacts>, RuntimeError> {
-    let mut known = hosted;
-    let waiting: Vec<usize> = (0..known.len()).filter(|&i| known[i].is_none()).collect();
-    // Answer for our own models now, before waiting for the others.
-    for (idx, facts) in known.iter().enumerate() {
-        if let Some(facts) = facts {
-            let (replier, payload) = (bus.clone(), wire::encode(facts));
-            bus.subscribe(
-                bus.model_subject(&config.models[idx].name, "describe"),
-                move |_, reply| {
-                    if let Some(reply) = reply {
-                        replier.publish(reply.to_string(), payload.clone());
-                    }
-                },
-            )?;
-        }
-    }
-    let started = Instant::now();
-    for idx in waiting {
-        let name = &config.models[idx].name;
-        loop {
-            let asked = bus.request(
-                bus.model_subject(name, "describe"),
-                Vec::new(),
-                Duration::from_millis(500),
-            );
-            if let Some(reply) = asked {
-                let facts = wire::decode::<ModelFacts>(&reply).map_err(|reason| {
-                    ClusterError::BadReply {
-                        model: name.clone(),
-                        reason,
-                    }
-                })?;
-                if facts.mode != mode {
-                    return Err(ClusterError::BadReply {
-                        model: name.clone(),
-                        reason: format!(
-                            "mode `{}` where this process runs `{}`: every process of a \
-                             deployment must run the same mode",
-                            facts.mode.as_str(),
-                            mode.as_str()
-                        ),
-                    }
-                    .into());
-                }
-                bus.beat(name, &facts.host, None);
-                known[idx] = Some(facts);
-                break;
-            }
-            if started.elapsed() >= timeout {
-                return Err(ClusterError::NoHost {
-                    model: name.clone(),
-                    waited_ms: timeout.as_millis() as u64,
-                }
-                .into());
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-    Ok(known
-        .into_iter()
-        .map(|f| f.expect("every model answered"))
-        .collect())
 }

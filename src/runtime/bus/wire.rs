@@ -4,11 +4,11 @@
 //! because `nats sub 'tokenrouter.>'` then shows an operator what travels. A process refuses
 //! a payload of another version with a logged error instead of misreading it.
 
-use super::core::{EngineTiming, RequestId, RoutingStats};
-use super::request::RequestEvent;
 use crate::config::{ExecutionMode, PolicyConfig};
 use crate::engine::SamplingParams;
 use crate::policy::{Handoff, ModelIdx, RoutingState};
+use crate::runtime::core::{EngineTiming, RequestId, RoutingStats};
+use crate::runtime::request::RequestEvent;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
