@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the real clients the server tests drive (no-op when present):
-#   .venv-test/  a Python venv with the official `openai` client (PyPI)
+#   .venv-test/  a Python venv with the official `openai` client and `jsonschema` (PyPI)
 #   .venv-torch/ torch, safetensors and numpy (PyPI), to write router checkpoints the way their
 #                authors do for scripts/convert-router.py's test; PyPI's Linux torch is the
 #                CUDA build (~5 GB with its nvidia-* wheels, ~3.5 min here) and runs on a CPU
@@ -10,9 +10,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 OPENAI_VERSION="3.57.0"
-if ! .venv-test/bin/python -c "import openai" 2>/dev/null; then
+if ! .venv-test/bin/python -c "import openai, jsonschema" 2>/dev/null; then
     python3 -m venv .venv-test
-    .venv-test/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}"
+    .venv-test/bin/pip install --quiet --disable-pip-version-check "openai==${OPENAI_VERSION}" "jsonschema==4.25.1"
 fi
 
 TORCH_VERSION="2.15.0"

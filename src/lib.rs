@@ -1,6 +1,7 @@
 //! tokenrouter: a serving runtime for token-level model routing.
 
 pub mod config;
+pub mod constraint;
 pub mod engine;
 pub mod error;
 pub mod policy;

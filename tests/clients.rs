@@ -53,18 +53,18 @@ fn prometheus() -> Option<PathBuf> {
     )
 }
 
-#[test]
-fn the_openai_python_client_talks_to_the_real_pair() {
-    let (Some(_), Some(python)) = (common::real_model(), python_with_openai()) else {
-        return;
-    };
+/// Runs `tests/clients/SCRIPT` against a server on the default config (the real pair) with
+/// `args` after its base URL; returns the JSON summary it prints.
+fn run_client_script(python: &Path, script: &str, args: &[&str]) -> Value {
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/default.toml");
     let server = Server::start(&config);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients")
+        .join(script);
     let output = Command::new(python)
         .arg(script)
         .arg(&server.base)
-        .arg("me,r2r,citer,rstitch,colm")
+        .args(args)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -75,6 +75,15 @@ fn the_openai_python_client_talks_to_the_real_pair() {
     );
     let summary: Value = serde_json::from_str(stdout.trim()).unwrap();
     eprintln!("{summary:#}");
+    summary
+}
+
+#[test]
+fn the_openai_python_client_talks_to_the_real_pair() {
+    let (Some(_), Some(python)) = (common::real_model(), python_with_openai()) else {
+        return;
+    };
+    let summary = run_client_script(&python, "openai_client.py", &["me,r2r,citer,rstitch,colm"]);
     let results = summary["results"].as_array().unwrap();
     assert_eq!(results.len(), 5);
     // R-Stitch at its calibrated thresholds hands nearly every token to the LLM, so its
@@ -83,6 +92,31 @@ fn the_openai_python_client_talks_to_the_real_pair() {
     let rstitch = results.iter().find(|r| r["policy"] == "rstitch").unwrap();
     let answer = rstitch["chat"].as_str().unwrap();
     assert!(answer.contains("Tokyo"), "the real pair answers: {answer}");
+}
+
+/// JSON under a strict schema through the official client, for every policy and each model
+/// alone: every complete answer validates (the script checks with `jsonschema`), streamed
+/// equals whole, and the routed policies hand off inside the JSON.
+#[test]
+fn the_openai_python_client_gets_valid_json_from_every_policy() {
+    let (Some(_), Some(python)) = (common::real_model(), python_with_openai()) else {
+        return;
+    };
+    let policies = "r2r,citer,rstitch,colm,me,smollm2-135m,smollm2-135m-skip7";
+    let summary = run_client_script(&python, "structured_output.py", &[policies, "4"]);
+    let results = summary["results"].as_array().unwrap();
+    assert_eq!(results.len(), 7);
+    for r in results {
+        assert!(
+            r["complete"].as_u64().unwrap() >= 3,
+            "most answers end inside max_tokens: {r}"
+        );
+    }
+    let routed_handoffs: u64 = results[..5]
+        .iter()
+        .map(|r| r["handoffs"].as_u64().unwrap())
+        .sum();
+    assert!(routed_handoffs > 0, "handoffs inside the JSON: {summary}");
 }
 
 struct ChildGuard(Child);

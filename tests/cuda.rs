@@ -125,6 +125,7 @@ fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
             top_k: 3,
             embedding: false,
         },
+        filter: None,
     }
 }
 

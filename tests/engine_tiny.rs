@@ -17,6 +17,7 @@ fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
+        filter: None,
     }
 }
 
@@ -367,6 +368,7 @@ fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
                     tokens: input,
                     sampling: params,
                     needs: Needs::default(),
+                    filter: None,
                 }])
                 .unwrap()
                 .remove(0);
@@ -391,6 +393,7 @@ fn seeded_sampling_is_reproducible_and_outputs_carry_requested_signals() {
             tokens: prompt(4, 1),
             sampling: SamplingParams::greedy(),
             needs,
+            filter: None,
         }])
         .unwrap()
         .remove(0);

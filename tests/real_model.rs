@@ -22,6 +22,7 @@ fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
+        filter: None,
     }
 }
 

@@ -154,6 +154,7 @@ fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
+        filter: None,
     }
 }
 

@@ -33,6 +33,7 @@ fn step_one(
         tokens,
         sampling: SamplingParams::greedy(),
         needs: Needs::default(),
+        filter: None,
     }])?;
     Ok((out[0].candidate, start.elapsed().as_secs_f64() * 1e3))
 }

@@ -69,6 +69,7 @@ fn decode(
                 tokens: t.clone(),
                 sampling: SamplingParams::greedy(),
                 needs: Needs::default(),
+                filter: None,
             })
             .collect();
         for (i, out) in executor.step(&work)?.into_iter().enumerate() {

@@ -142,6 +142,7 @@ pub(crate) fn teacher_forced(
                     },
                     sampling: SamplingParams::greedy(),
                     needs,
+                    filter: None,
                 })
                 .collect();
             for (out, &i) in executor.step(&work)?.iter().zip(&live) {

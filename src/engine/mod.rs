@@ -22,7 +22,8 @@ use crate::error::{EngineError, EngineResult};
 pub use kv::{BlockCopy, KvUsage, PrefixCounters, SeqId};
 use llama::LlamaModel;
 pub use qmatmul::Kernel;
-pub use sampling::{LogitStats, SamplingParams};
+pub use sampling::{LogitStats, SamplingParams, TokenFilter, TokenMask};
+use std::sync::Arc;
 use weights::{Hyperparams, ModelWeights};
 
 /// What a policy wants from a step beyond the candidate and its cheap statistics.
@@ -44,6 +45,8 @@ pub struct SeqWork {
     pub tokens: Vec<u32>,
     pub sampling: SamplingParams,
     pub needs: Needs,
+    /// The tokens its candidate may be (a structured-output grammar); `None`: any.
+    pub filter: Option<Arc<dyn TokenFilter>>,
 }
 
 #[derive(Debug, Clone)]
@@ -237,7 +240,23 @@ fn step_on(
     work: &[SeqWork],
 ) -> EngineResult<Vec<StepOutput>> {
     let batch: Vec<(SeqId, &[u32])> = work.iter().map(|w| (w.seq, w.tokens.as_slice())).collect();
-    let last = model.forward(kv, data, &batch)?;
+    // Constrained rows' masks are computed on a helper thread while the forward pass runs on
+    // the model's own threads; a step without them spawns nothing.
+    let (last, masks) = if work.iter().any(|w| w.filter.is_some()) {
+        std::thread::scope(|scope| {
+            let masks = scope.spawn(|| sampling::masks_of(work));
+            let last = model.forward(kv, data, &batch);
+            (last, masks.join().expect("a token filter panicked"))
+        })
+    } else {
+        (model.forward(kv, data, &batch), Vec::new())
+    };
+    let mut last = last?;
+    for (out, mask) in last.iter_mut().zip(&masks) {
+        if let Some(mask) = mask {
+            mask.apply(&mut out.logits);
+        }
+    }
     let positions: Vec<usize> = work.iter().map(|w| kv.seq_len(w.seq)).collect();
     let sampled = parallel::map_indices(work.len(), |i| {
         let w = &work[i];

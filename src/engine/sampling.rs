@@ -43,6 +43,50 @@ impl SamplingParams {
     }
 }
 
+/// The logit a masked-out token gets: far below any real logit, yet finite, so the
+/// entropy's `p · log p` terms stay 0 rather than `0 · ∞`.
+pub const MASKED_LOGIT: f32 = -1e30;
+
+/// Which tokens a row's candidate may be: a structured-output grammar's next-token mask.
+/// Computed during the forward pass, so it must not wait on the step.
+pub trait TokenFilter: Send + Sync + std::fmt::Debug {
+    fn allowed(&self) -> TokenMask;
+}
+
+/// A set of token ids, one bit each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenMask {
+    words: Vec<u32>,
+}
+
+impl TokenMask {
+    /// Bit `t % 32` of word `t / 32` allows token `t`; ids past the words are not allowed.
+    pub fn from_words(words: Vec<u32>) -> Self {
+        Self { words }
+    }
+
+    pub fn allows(&self, token: u32) -> bool {
+        let (word, bit) = (token as usize / 32, token % 32);
+        self.words.get(word).is_some_and(|w| w >> bit & 1 == 1)
+    }
+
+    /// Sets every token it does not allow to [`MASKED_LOGIT`].
+    pub fn apply(&self, logits: &mut [f32]) {
+        for (t, logit) in logits.iter_mut().enumerate() {
+            if !self.allows(t as u32) {
+                *logit = MASKED_LOGIT;
+            }
+        }
+    }
+}
+
+/// Each row's mask, `None` for a row without a filter.
+pub fn masks_of(work: &[super::SeqWork]) -> Vec<Option<TokenMask>> {
+    work.iter()
+        .map(|w| w.filter.as_ref().map(|f| f.allowed()))
+        .collect()
+}
+
 /// Draws the next token for a sequence whose candidate will sit at `position`.
 pub fn sample(logits: &[f32], params: &SamplingParams, position: usize) -> u32 {
     if params.picks_argmax() {

@@ -139,6 +139,7 @@ mod tests {
                 tokens: vec![1, 2],
                 sampling: SamplingParams::greedy(),
                 needs: Needs::default(),
+                filter: None,
             })
             .collect();
         let start = Instant::now();

@@ -19,6 +19,7 @@ use super::request::{RequestActor, RequestEvent};
 use super::step_lock::StepLock;
 use super::tuner::{TunerActor, TunerSettings};
 use crate::config::{Config, ExecutionMode, Placement, PolicyConfig, PolicyUpdate};
+use crate::constraint::{FormatError, OutputFormat, RequestGrammar, Vocabulary};
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::engine::{load_executor, SamplingParams, StepExecutor};
@@ -30,9 +31,10 @@ use crate::tuning::controller::ArmComparison;
 use crate::tuning::AffineLatency;
 use actix::prelude::*;
 use arc_swap::ArcSwap;
+use llguidance::api::ParserLimits;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -101,6 +103,10 @@ pub enum InvalidRequest {
         model: String,
         capacity: usize,
     },
+    #[error("the output format cannot be served: {0}")]
+    OutputFormat(#[from] FormatError),
+    #[error("structured output {0}")]
+    Unconstrainable(&'static str),
 }
 
 /// A request checked by `Runtime::validate`: its policy resolved, its size known to fit.
@@ -113,6 +119,7 @@ pub struct ValidRequest {
     timeout: Option<Duration>,
     ignore_eos: bool,
     logprobs: Option<usize>,
+    grammar: Option<Arc<RequestGrammar>>,
 }
 
 impl ValidRequest {
@@ -238,6 +245,9 @@ pub struct Runtime {
     kv_capacity: Vec<(String, usize)>,
     /// `None` when every model is a latency-profile simulation.
     tokenizer: Option<Arc<ModelTokenizer>>,
+    /// The tokenizer's vocabulary for structured output, built by the first request that
+    /// asks for it.
+    vocabulary: OnceLock<Arc<Vocabulary>>,
     eos: Arc<BTreeSet<u32>>,
     live: LiveRequests,
     /// This process's requests, when some model is hosted elsewhere (`[cluster]`).
@@ -584,6 +594,7 @@ impl Runtime {
             context_length,
             kv_capacity,
             tokenizer,
+            vocabulary: OnceLock::new(),
             eos,
             live,
             frontend,
@@ -757,6 +768,42 @@ impl Runtime {
             timeout: request.timeout,
             ignore_eos: request.ignore_eos,
             logprobs: None,
+            grammar: None,
+        })
+    }
+
+    /// Constrains a validated request's output to `format`: compiled here, so a schema
+    /// llguidance cannot serve fails before any generation.
+    pub fn constrain(
+        &self,
+        request: ValidRequest,
+        format: &OutputFormat,
+    ) -> Result<ValidRequest, RuntimeError> {
+        if self.bus.is_some() {
+            return Err(InvalidRequest::Unconstrainable(
+                "is not served with models in other processes ([cluster])",
+            )
+            .into());
+        }
+        if request.ignore_eos {
+            return Err(InvalidRequest::Unconstrainable(
+                "needs end-of-sequence to end the output (not `ignore_eos`)",
+            )
+            .into());
+        }
+        let vocabulary = match self.vocabulary.get() {
+            Some(vocabulary) => vocabulary.clone(),
+            None => {
+                let built = Vocabulary::new(self.tokenizer()?, ParserLimits::default())?;
+                self.vocabulary.get_or_init(|| built).clone()
+            }
+        };
+        // Every model of a deployment speaks the deployment tokenizer's vocabulary.
+        let vocabularies = vec![vocabulary; self.models.len()];
+        let grammar = RequestGrammar::new(format, &vocabularies).map_err(InvalidRequest::from)?;
+        Ok(ValidRequest {
+            grammar: Some(Arc::new(grammar)),
+            ..request
         })
     }
 
@@ -776,6 +823,7 @@ impl Runtime {
             timeout,
             ignore_eos,
             logprobs,
+            grammar,
         } = request;
         let rid = RequestId(self.next_rid.fetch_add(1, Ordering::Relaxed));
         let seed = sampling.seed;
@@ -826,6 +874,7 @@ impl Runtime {
             arrived: Instant::now(),
             timing: EngineTiming::default(),
             hosts: vec![None; self.models.len()],
+            grammar,
         };
         actor.do_send(Start(in_flight));
         RequestHandle {

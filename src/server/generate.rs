@@ -11,6 +11,7 @@ use super::openai::{
 };
 use super::text::TextStream;
 use super::{read_json, AppState};
+use crate::constraint::OutputFormat;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::{
     EngineTiming, FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestHandle,
@@ -123,6 +124,15 @@ pub async fn chat_completions(
     .await
 }
 
+/// The field a format that does not compile came from (a schema's own field for
+/// `response_format`).
+fn format_field(field: &'static str, format: &OutputFormat) -> &'static str {
+    match (field, format) {
+        ("response_format", OutputFormat::JsonSchema(_)) => "response_format.json_schema.schema",
+        (field, _) => field,
+    }
+}
+
 /// Where a request's time went before it reached the runtime.
 struct HandlerTimes {
     received: Instant,
@@ -193,6 +203,19 @@ async fn run(
         })?;
     let request = match generation.logprobs {
         Some(top) => request.with_logprobs(top),
+        None => request,
+    };
+    let request = match &generation.format {
+        Some((field, format)) => state
+            .runtime
+            .constrain(request, format)
+            .map_err(|e| match e {
+                RuntimeError::Invalid(InvalidRequest::OutputFormat(e)) => {
+                    ApiError::invalid(format_field(field, format), e.to_string())
+                }
+                RuntimeError::Invalid(e) => ApiError::invalid(field, e.to_string()),
+                e => e.into(),
+            })?,
         None => request,
     };
     let prompt_tokens = request.prompt_tokens();

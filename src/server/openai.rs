@@ -5,6 +5,7 @@
 
 use super::error::ApiError;
 use crate::config::ServerConfig;
+use crate::constraint::OutputFormat;
 use crate::engine::chat::ChatMessage;
 use crate::engine::SamplingParams;
 use serde::Deserialize;
@@ -52,6 +53,14 @@ pub struct GenerationOptions {
     pub logprobs: Option<LogprobsField>,
     /// Chat: how many alternatives per token (with `logprobs: true`).
     pub top_logprobs: Option<i64>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`.
+    pub response_format: Option<Value>,
+    /// Extension (as in vLLM): output valid under this JSON schema.
+    pub guided_json: Option<Value>,
+    /// Extension (as in vLLM): output matching this regular expression.
+    pub guided_regex: Option<String>,
+    /// Extension (as in vLLM): output exactly one of these strings.
+    pub guided_choice: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -115,6 +124,8 @@ pub struct Generation {
     pub timeout: std::time::Duration,
     /// Alternatives per token when log-probabilities were asked for.
     pub logprobs: Option<usize>,
+    /// The structured output asked for, with the field that asked.
+    pub format: Option<(&'static str, OutputFormat)>,
 }
 
 impl GenerationOptions {
@@ -190,8 +201,112 @@ impl GenerationOptions {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
             logprobs: None,
+            format: self.output_format()?,
         })
     }
+
+    /// The one structured-output field set, as a format (`text` is none).
+    fn output_format(&self) -> Result<Option<(&'static str, OutputFormat)>, ApiError> {
+        let mut asked = Vec::new();
+        if let Some(format) = &self.response_format {
+            if let Some(format) = response_format(format)? {
+                asked.push(("response_format", format));
+            }
+        }
+        if let Some(schema) = &self.guided_json {
+            asked.push((
+                "guided_json",
+                OutputFormat::JsonSchema(json_schema("guided_json", schema)?),
+            ));
+        }
+        if let Some(regex) = &self.guided_regex {
+            asked.push(("guided_regex", OutputFormat::Regex(regex.clone())));
+        }
+        if let Some(choices) = &self.guided_choice {
+            if choices.is_empty() || choices.iter().any(String::is_empty) {
+                return Err(ApiError::invalid(
+                    "guided_choice",
+                    "`guided_choice` must be a non-empty list of non-empty strings",
+                ));
+            }
+            asked.push(("guided_choice", OutputFormat::Choice(choices.clone())));
+        }
+        if asked.len() > 1 {
+            let names: Vec<&str> = asked.iter().map(|(field, _)| *field).collect();
+            return Err(ApiError::invalid(
+                asked[1].0,
+                format!(
+                    "set one structured-output field, not {}",
+                    names.join(" and ")
+                ),
+            ));
+        }
+        Ok(asked.pop())
+    }
+}
+
+/// OpenAI's `response_format`, checked field by field.
+fn response_format(format: &Value) -> Result<Option<OutputFormat>, ApiError> {
+    let kind = format.get("type").and_then(Value::as_str);
+    match kind {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(OutputFormat::JsonObject)),
+        Some("json_schema") => {
+            let field = "response_format.json_schema";
+            let Some(spec) = format.get("json_schema").filter(|s| s.is_object()) else {
+                return Err(ApiError::invalid(
+                    field,
+                    "`response_format.json_schema` must be an object with `name` and `schema`",
+                ));
+            };
+            let name = spec.get("name").and_then(Value::as_str).unwrap_or_default();
+            let name_ok = (1..=64).contains(&name.len())
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+            if !name_ok {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema.name",
+                    "`response_format.json_schema.name` must be 1 to 64 letters, digits, `_` or `-`",
+                ));
+            }
+            if spec
+                .get("strict")
+                .is_some_and(|s| !s.is_boolean() && !s.is_null())
+            {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema.strict",
+                    "`response_format.json_schema.strict` must be a boolean",
+                ));
+            }
+            // Output is always held to the schema: `strict` false is served as strict.
+            let schema = match spec.get("schema") {
+                None | Some(Value::Null) => serde_json::json!({}),
+                Some(schema) => json_schema("response_format.json_schema.schema", schema)?,
+            };
+            Ok(Some(OutputFormat::JsonSchema(schema)))
+        }
+        _ => Err(ApiError::invalid(
+            "response_format.type",
+            "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
+}
+
+/// A JSON schema: an object or a boolean, or (as vLLM takes `guided_json`) a string of one.
+fn json_schema(field: &str, value: &Value) -> Result<Value, ApiError> {
+    let schema = match value {
+        Value::String(text) => serde_json::from_str(text)
+            .map_err(|e| ApiError::invalid(field, format!("`{field}` is not valid JSON: {e}")))?,
+        other => other.clone(),
+    };
+    if !(schema.is_object() || schema.is_boolean()) {
+        return Err(ApiError::invalid(
+            field,
+            format!("`{field}` must be a JSON schema (an object)"),
+        ));
+    }
+    Ok(schema)
 }
 
 /// A count of alternatives per token, checked.
@@ -338,7 +453,7 @@ type IsDefault = fn(&Value) -> bool;
 
 /// OpenAI fields whose non-default values change what a client gets back, and which this
 /// server does not implement: each may be absent, `null` or its default, nothing else.
-const UNIMPLEMENTED: [(&str, IsDefault, &str); 15] = [
+const UNIMPLEMENTED: [(&str, IsDefault, &str); 14] = [
     (
         "tools",
         empty_list,
@@ -358,11 +473,6 @@ const UNIMPLEMENTED: [(&str, IsDefault, &str); 15] = [
         "function_call",
         none_or_auto,
         "function calling is not supported (only \"none\" or \"auto\")",
-    ),
-    (
-        "response_format",
-        text_format,
-        "only {\"type\": \"text\"} is supported: no JSON mode or schemas",
     ),
     (
         "echo",
@@ -414,10 +524,6 @@ fn empty_list(v: &Value) -> bool {
 
 fn none_or_auto(v: &Value) -> bool {
     matches!(v.as_str(), Some("none" | "auto"))
-}
-
-fn text_format(v: &Value) -> bool {
-    v.get("type").and_then(Value::as_str) == Some("text")
 }
 
 fn falsy(v: &Value) -> bool {
@@ -475,10 +581,6 @@ mod tests {
         }
         for (body, field) in [
             (json!({"tools": [{"type": "function"}]}), "tools"),
-            (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
             (json!({"echo": true}), "echo"),
             (json!({"tool_choice": "required"}), "tool_choice"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
@@ -492,6 +594,95 @@ mod tests {
                 }
                 other => panic!("{body}: {other:?}"),
             }
+        }
+    }
+
+    fn format_of(body: Value) -> Result<Option<(&'static str, OutputFormat)>, ApiError> {
+        serde_json::from_value::<GenerationOptions>(body)
+            .expect("a generation body")
+            .output_format()
+    }
+
+    fn refused_field(body: Value) -> String {
+        match format_of(body.clone()) {
+            Err(ApiError::InvalidRequest { param, .. }) => param.expect("the field is named"),
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn structured_output_fields_become_one_format() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let cases = [
+            (json!({"response_format": {"type": "text"}}), None),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                Some(("response_format", OutputFormat::JsonObject)),
+            ),
+            (
+                json!({"response_format": {"type": "json_schema",
+                    "json_schema": {"name": "answer", "schema": schema, "strict": true}}}),
+                Some(("response_format", OutputFormat::JsonSchema(schema.clone()))),
+            ),
+            (
+                json!({"guided_json": schema.to_string()}),
+                Some(("guided_json", OutputFormat::JsonSchema(schema.clone()))),
+            ),
+            (
+                json!({"guided_regex": "[0-9]+"}),
+                Some(("guided_regex", OutputFormat::Regex("[0-9]+".into()))),
+            ),
+            (
+                json!({"guided_choice": ["yes", "no"]}),
+                Some((
+                    "guided_choice",
+                    OutputFormat::Choice(vec!["yes".into(), "no".into()]),
+                )),
+            ),
+        ];
+        for (body, expected) in cases {
+            assert_eq!(
+                format_of(body.clone()).expect("accepted"),
+                expected,
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_structured_output_fields_are_refused_by_name() {
+        for (body, field) in [
+            (
+                json!({"response_format": {"type": "yaml"}}),
+                "response_format.type",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema"}}),
+                "response_format.json_schema",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema",
+                    "json_schema": {"name": "a b", "schema": {}}}}),
+                "response_format.json_schema.name",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema",
+                    "json_schema": {"name": "a", "schema": [1, 2]}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema",
+                    "json_schema": {"name": "a", "strict": "yes"}}}),
+                "response_format.json_schema.strict",
+            ),
+            (json!({"guided_json": "{not json"}), "guided_json"),
+            (json!({"guided_choice": []}), "guided_choice"),
+            (
+                json!({"guided_regex": "a", "guided_choice": ["a"]}),
+                "guided_choice",
+            ),
+        ] {
+            assert_eq!(refused_field(body.clone()), field, "{body}");
         }
     }
 }

@@ -160,6 +160,7 @@ fn greedy_answers(
                     },
                     sampling: SamplingParams::greedy(),
                     needs: Needs::default(),
+                    filter: None,
                 })
                 .collect();
             for (out, &i) in executor.step(&work)?.iter().zip(&live) {

@@ -395,9 +395,19 @@ impl StepExecutor for CudaExecutor {
         let layout = self.layout(&batch, &segments)?;
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
         let top_k = work.iter().map(|w| w.needs.top_k).max().unwrap_or(0);
-        let mut last = self
-            .model
-            .forward(&mut self.paged, &tokens, &segments, &layout, top_k)?;
+        // The host computes constrained rows' masks while the device runs the forward pass.
+        let (last, masks) = std::thread::scope(|scope| {
+            let masks = work
+                .iter()
+                .any(|w| w.filter.is_some())
+                .then(|| scope.spawn(|| sampling::masks_of(work)));
+            let last = self
+                .model
+                .forward(&mut self.paged, &tokens, &segments, &layout, top_k);
+            let masks = masks.map(|m| m.join().expect("a token filter panicked"));
+            (last, masks.unwrap_or_default())
+        });
+        let mut last = last?;
         for &(seq, t) in &batch {
             self.kv.advance(seq, t);
         }
@@ -406,16 +416,30 @@ impl StepExecutor for CudaExecutor {
             .iter()
             .enumerate()
             .map(|(i, w)| {
-                let logits = last.logits[i * vocab..(i + 1) * vocab].to_vec();
+                let mut logits = last.logits[i * vocab..(i + 1) * vocab].to_vec();
                 let position = self.kv.seq_len(w.seq);
-                let candidate = if w.sampling.picks_argmax() {
-                    last.argmax[i] as u32
-                } else {
-                    sampling::sample(&logits, &w.sampling, position)
+                let (candidate, stats) = match masks.get(i).and_then(Option::as_ref) {
+                    // A masked row's draw and statistics come from its masked logits.
+                    Some(mask) => {
+                        mask.apply(&mut logits);
+                        (
+                            sampling::sample(&logits, &w.sampling, position),
+                            sampling::logit_stats(&logits, w.needs.top_k),
+                        )
+                    }
+                    None => {
+                        let candidate = if w.sampling.picks_argmax() {
+                            last.argmax[i] as u32
+                        } else {
+                            sampling::sample(&logits, &w.sampling, position)
+                        };
+                        let mut top = std::mem::take(&mut last.top[i]);
+                        top.truncate(w.needs.top_k);
+                        let stats =
+                            LogitStats::from_sums(last.sums[i * 3 + 1], last.sums[i * 3 + 2], top);
+                        (candidate, stats)
+                    }
                 };
-                let mut top = std::mem::take(&mut last.top[i]);
-                top.truncate(w.needs.top_k);
-                let stats = LogitStats::from_sums(last.sums[i * 3 + 1], last.sums[i * 3 + 2], top);
                 StepOutput {
                     seq: w.seq,
                     position,

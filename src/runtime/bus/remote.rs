@@ -651,6 +651,8 @@ impl BusSide {
                 .into_iter()
                 .map(|h| h.map(Arc::from))
                 .collect(),
+            // A deployment with models in other processes refuses structured output.
+            grammar: None,
         })
     }
 

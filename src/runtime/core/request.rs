@@ -1,6 +1,7 @@
 //! A request as the scheduling core sees it: routing state plus what travels with it.
 
 use crate::config::PolicyConfig;
+use crate::constraint::RequestGrammar;
 use crate::engine::{SamplingParams, StepOutput};
 pub use crate::policy::RequestId;
 use crate::policy::{Handoff, RoutingState, SharedPolicy};
@@ -131,6 +132,9 @@ pub(crate) struct InFlight<C> {
     /// Per model hosted in other processes, the replica holding its KV there (`[cluster]`):
     /// a request returns to the replica it was placed on.
     pub hosts: Vec<Option<Arc<str>>>,
+    /// Its output format's state (structured output): it travels with the request, so the
+    /// model it moves to masks by the same grammar.
+    pub grammar: Option<Arc<RequestGrammar>>,
 }
 
 impl<C> InFlight<C> {

@@ -13,8 +13,9 @@ use super::request::{
     TokenLogprobs,
 };
 use crate::config::ExecutionMode;
+use crate::constraint::GrammarFilter;
 use crate::engine::kv::{KvStore, BLOCK_TOKENS};
-use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput};
+use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput, TokenFilter};
 use crate::policy::{ModelIdx, Route, SharedPolicy, StepView};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -491,11 +492,19 @@ impl<C: Clone> ModelScheduler<C> {
                     // The largest logit gives the normaliser of the log-probabilities.
                     needs.top_k = needs.top_k.max(top).max(1);
                 }
+                // Only a row that samples needs its grammar's mask.
+                let filter = r.grammar.as_ref().filter(|_| row.completes).map(|grammar| {
+                    Arc::new(GrammarFilter {
+                        grammar: grammar.clone(),
+                        model: self.model,
+                    }) as Arc<dyn TokenFilter>
+                });
                 SeqWork {
                     seq: self.seqs[&r.rid()],
                     tokens: r.state.tokens[from..from + row.tokens].to_vec(),
                     sampling: r.params.sampling,
                     needs,
+                    filter,
                 }
             })
             .collect();
@@ -651,6 +660,20 @@ impl<C: Clone> ModelScheduler<C> {
         effects: &mut Vec<Effect<C>>,
     ) -> Option<Effect<C>> {
         let token = sampled.token;
+        if let Some(grammar) = &r.grammar {
+            let accepted = if r.params.eos.contains(&token) {
+                grammar.error().map_or(Ok(()), Err)
+            } else {
+                grammar.commit(self.model, token)
+            };
+            if let Err(message) = accepted {
+                return Some(Effect::Fail {
+                    client: r.client.clone(),
+                    message,
+                    kind: FailureKind::Fault,
+                });
+            }
+        }
         let reason = if r.params.eos.contains(&token) {
             Some(FinishReason::Stop)
         } else {
@@ -710,6 +733,7 @@ mod tests {
     const EOS: u32 = 0;
 
     mod fairness;
+    mod grammar;
 
     /// What an executor's step does to the block manager: reserve, then commit the tokens.
     fn run_on_kv(kv: &mut KvStore, work: &[SeqWork]) {
@@ -742,6 +766,7 @@ mod tests {
             arrived: Instant::now(),
             timing: EngineTiming::default(),
             hosts: vec![None; 2],
+            grammar: None,
         }
     }
 
