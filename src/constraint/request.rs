@@ -94,23 +94,22 @@ impl RequestGrammar {
                 .compute_mask_or_eos()
                 .map_err(|e| format!("structured output: {e}"))
         });
-        let eos = m.vocabulary.eos();
-        match mask {
+        // The trie knows one end-of-sequence id; every id that ends the request goes with it.
+        let (words, ends) = match mask {
             Ok(vob) => {
-                let mut words = vob.as_slice().to_vec();
                 let trie_eos = m.vocabulary.env().tok_trie().eos_token();
-                if vob.is_allowed(trie_eos) {
-                    set_bits(&mut words, eos);
-                }
-                TokenMask::from_words(words)
+                (vob.as_slice().to_vec(), vob.is_allowed(trie_eos))
             }
             Err(message) => {
                 state.error.get_or_insert(message);
-                let mut words = Vec::new();
-                set_bits(&mut words, eos);
-                TokenMask::from_words(words)
+                (Vec::new(), true)
             }
+        };
+        let mut mask = TokenMask::from_words(words);
+        if ends {
+            mask.allow(m.vocabulary.eos().iter().copied());
         }
+        mask
     }
 
     /// Advances by `token`, which `model` produced and the request committed (not an
@@ -157,16 +156,6 @@ fn catch_up(m: &mut VocabularyMatcher, committed: &[u8]) -> Result<(), String> {
     m.matcher
         .consume_tokens(&tokens)
         .map_err(|e| format!("structured output: catching up on a handoff: {e}"))
-}
-
-fn set_bits(words: &mut Vec<u32>, tokens: &std::collections::BTreeSet<u32>) {
-    for &t in tokens {
-        let word = t as usize / 32;
-        if words.len() <= word {
-            words.resize(word + 1, 0);
-        }
-        words[word] |= 1 << (t % 32);
-    }
 }
 
 /// A request's grammar as one model's step sees it.

@@ -25,19 +25,17 @@ impl std::fmt::Debug for Vocabulary {
     }
 }
 
+fn invalid(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(format!("structured output: {e}"))
+}
+
 impl Vocabulary {
     /// Built from the tokenizer's own token table (byte-level BPE or byte fallback).
     pub fn new(tokenizer: &ModelTokenizer, limits: ParserLimits) -> EngineResult<Arc<Self>> {
-        let invalid = |e: String| EngineError::Tokenizer(format!("structured output: {e}"));
-        let json: serde_json::Value = serde_json::from_str(
-            &tokenizer
-                .inner
-                .to_string(false)
-                .map_err(|e| invalid(e.to_string()))?,
-        )
-        .map_err(|e| invalid(e.to_string()))?;
-        let words = llguidance::token_bytes_from_tokenizer_json(&json)
-            .map_err(|e| invalid(e.to_string()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&tokenizer.inner.to_string(false).map_err(invalid)?)
+                .map_err(invalid)?;
+        let words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(invalid)?;
         Self::from_words(&words, tokenizer.eos.clone(), limits)
     }
 
@@ -47,13 +45,12 @@ impl Vocabulary {
         eos: BTreeSet<u32>,
         limits: ParserLimits,
     ) -> EngineResult<Arc<Self>> {
-        let invalid = |e: String| EngineError::Tokenizer(format!("structured output: {e}"));
         let first_eos = *eos
             .first()
-            .ok_or_else(|| invalid("the tokenizer declares no end-of-sequence token".into()))?;
+            .ok_or_else(|| invalid("the tokenizer declares no end-of-sequence token"))?;
         let info = TokRxInfo::new(words.len() as u32, first_eos);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, words)));
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| invalid(e.to_string()))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(invalid)?;
         factory.quiet();
         *factory.limits_mut() = limits;
         Ok(Arc::new(Self { factory, eos }))

@@ -240,17 +240,8 @@ fn step_on(
     work: &[SeqWork],
 ) -> EngineResult<Vec<StepOutput>> {
     let batch: Vec<(SeqId, &[u32])> = work.iter().map(|w| (w.seq, w.tokens.as_slice())).collect();
-    // Constrained rows' masks are computed on a helper thread while the forward pass runs on
-    // the model's own threads; a step without them spawns nothing.
-    let (last, masks) = if work.iter().any(|w| w.filter.is_some()) {
-        std::thread::scope(|scope| {
-            let masks = scope.spawn(|| sampling::masks_of(work));
-            let last = model.forward(kv, data, &batch);
-            (last, masks.join().expect("a token filter panicked"))
-        })
-    } else {
-        (model.forward(kv, data, &batch), Vec::new())
-    };
+    // Constrained rows' masks are computed while the forward pass runs on the model's threads.
+    let (last, masks) = sampling::with_masks(work, || model.forward(kv, data, &batch));
     let mut last = last?;
     for (out, mask) in last.iter_mut().zip(&masks) {
         if let Some(mask) = mask {

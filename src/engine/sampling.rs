@@ -65,6 +65,17 @@ impl TokenMask {
         Self { words }
     }
 
+    /// Allows `tokens` too.
+    pub fn allow(&mut self, tokens: impl IntoIterator<Item = u32>) {
+        for t in tokens {
+            let word = t as usize / 32;
+            if self.words.len() <= word {
+                self.words.resize(word + 1, 0);
+            }
+            self.words[word] |= 1 << (t % 32);
+        }
+    }
+
     pub fn allows(&self, token: u32) -> bool {
         let (word, bit) = (token as usize / 32, token % 32);
         self.words.get(word).is_some_and(|w| w >> bit & 1 == 1)
@@ -80,11 +91,24 @@ impl TokenMask {
     }
 }
 
-/// Each row's mask, `None` for a row without a filter.
-pub fn masks_of(work: &[super::SeqWork]) -> Vec<Option<TokenMask>> {
-    work.iter()
-        .map(|w| w.filter.as_ref().map(|f| f.allowed()))
-        .collect()
+/// Runs `forward` while a helper thread computes each row's mask (`None` for a row without
+/// a filter); a step without constrained rows spawns nothing and gets no masks.
+pub fn with_masks<T: Send>(
+    work: &[super::SeqWork],
+    forward: impl FnOnce() -> T + Send,
+) -> (T, Vec<Option<TokenMask>>) {
+    if work.iter().all(|w| w.filter.is_none()) {
+        return (forward(), Vec::new());
+    }
+    std::thread::scope(|scope| {
+        let masks = scope.spawn(|| {
+            work.iter()
+                .map(|w| w.filter.as_ref().map(|f| f.allowed()))
+                .collect()
+        });
+        let out = forward();
+        (out, masks.join().expect("a token filter panicked"))
+    })
 }
 
 /// Draws the next token for a sequence whose candidate will sit at `position`.

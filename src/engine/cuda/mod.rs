@@ -396,16 +396,9 @@ impl StepExecutor for CudaExecutor {
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
         let top_k = work.iter().map(|w| w.needs.top_k).max().unwrap_or(0);
         // The host computes constrained rows' masks while the device runs the forward pass.
-        let (last, masks) = std::thread::scope(|scope| {
-            let masks = work
-                .iter()
-                .any(|w| w.filter.is_some())
-                .then(|| scope.spawn(|| sampling::masks_of(work)));
-            let last = self
-                .model
-                .forward(&mut self.paged, &tokens, &segments, &layout, top_k);
-            let masks = masks.map(|m| m.join().expect("a token filter panicked"));
-            (last, masks.unwrap_or_default())
+        let (model, paged) = (&self.model, &mut self.paged);
+        let (last, masks) = sampling::with_masks(work, || {
+            model.forward(paged, &tokens, &segments, &layout, top_k)
         });
         let mut last = last?;
         for &(seq, t) in &batch {

@@ -660,8 +660,9 @@ impl<C: Clone> ModelScheduler<C> {
         effects: &mut Vec<Effect<C>>,
     ) -> Option<Effect<C>> {
         let token = sampled.token;
+        let ends = r.params.eos.contains(&token);
         if let Some(grammar) = &r.grammar {
-            let accepted = if r.params.eos.contains(&token) {
+            let accepted = if ends {
                 grammar.error().map_or(Ok(()), Err)
             } else {
                 grammar.commit(self.model, token)
@@ -674,7 +675,7 @@ impl<C: Clone> ModelScheduler<C> {
                 });
             }
         }
-        let reason = if r.params.eos.contains(&token) {
+        let reason = if ends {
             Some(FinishReason::Stop)
         } else {
             r.state.tokens.push(token);
