@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use tokenrouter::config::{
     Config, ExecutionMode, ModelConfig, WeightPrecision, DEFAULT_CONFIG_PATH,
 };
+use tokenrouter::constraint::OutputFormat;
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{load_executor, weights, Executor, SamplingParams};
@@ -328,6 +329,10 @@ struct BenchRoutingArgs {
     /// configured profiles: on a machine whose speed drifts, the shipped ones go stale.
     #[arg(long)]
     profile_steps: bool,
+    /// Run every cell twice: its requests unconstrained, and held to the JSON schema in
+    /// this file (as `response_format` json_schema would), and compare what a step costs.
+    #[arg(long, value_name = "FILE")]
+    json_schema: Option<PathBuf>,
     #[arg(long)]
     json: bool,
     /// Write SVG plots into this directory.
@@ -923,6 +928,21 @@ fn run_router_train(args: RouterTrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A JSON schema from a file, as `--json-schema` takes it.
+fn read_json_schema(path: &std::path::Path) -> anyhow::Result<OutputFormat> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--json-schema: reading {}", path.display()))?;
+    let schema: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
+    if !(schema.is_object() || schema.is_boolean()) {
+        anyhow::bail!(
+            "--json-schema: {} is not a JSON schema (an object)",
+            path.display()
+        );
+    }
+    Ok(OutputFormat::JsonSchema(schema))
+}
+
 fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
     if args.concurrency.contains(&0)
         || args.requests == 0
@@ -974,6 +994,11 @@ fn run_bench_routing(args: BenchRoutingArgs) -> anyhow::Result<()> {
         workload: args.workload,
         long_prompt: args.long_prompt,
         profile_steps: args.profile_steps,
+        constraint: args
+            .json_schema
+            .as_deref()
+            .map(read_json_schema)
+            .transpose()?,
     };
     let rows = actix::System::new()
         .block_on(async move { bench::routing::run(&config, &settings).await })?;

@@ -119,6 +119,28 @@ fn the_openai_python_client_gets_valid_json_from_every_policy() {
     assert!(routed_handoffs > 0, "handoffs inside the JSON: {summary}");
 }
 
+/// Tool calls through the official client for every policy and each model alone: required
+/// and named calls validate against their functions' parameters (checked by the script),
+/// streamed equals whole, and a call's result sent back gets a text answer.
+#[test]
+fn the_openai_python_client_gets_tool_calls_from_every_policy() {
+    let (Some(_), Some(python)) = (common::real_model(), python_with_openai()) else {
+        return;
+    };
+    let policies = "r2r,citer,rstitch,colm,me,smollm2-135m,smollm2-135m-skip7";
+    let summary = run_client_script(&python, "tool_calls.py", &[policies]);
+    let results = summary["results"].as_array().unwrap();
+    assert_eq!(results.len(), 7);
+    let weather = results
+        .iter()
+        .filter(|r| r["name"] == "get_weather")
+        .count();
+    assert!(
+        weather >= 4,
+        "most policies pick the weather function: {summary}"
+    );
+}
+
 struct ChildGuard(Child);
 
 impl Drop for ChildGuard {

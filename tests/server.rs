@@ -252,6 +252,91 @@ impl Case {
 }
 
 #[test]
+fn tool_calls_come_back_in_openai_shapes_whole_and_streamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(dir.path(), 0.0);
+    let text = std::fs::read_to_string(&config).unwrap();
+    // The functions' note makes the prompt longer than the bad-input table's limit.
+    let text = text.replace("max_prompt_tokens = 200", "max_prompt_tokens = 450");
+    std::fs::write(&config, text).unwrap();
+    let server = Server::start(&config);
+    // The tiny models' tokens are mostly single bytes: short names keep a call short.
+    let mut body = chat_body("r2r", 80, false);
+    body["tools"] = json!([
+        {"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "time"}},
+    ]);
+    body["tool_choice"] = json!("required");
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+    assert!(choice["message"]["content"].is_null(), "{whole}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    let name = call["function"]["name"].as_str().unwrap();
+    let arguments: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    match name {
+        "weather" => assert!(["c", "f"].contains(&arguments["unit"].as_str().unwrap())),
+        "time" => assert!(arguments.is_object(), "{arguments}"),
+        other => panic!("called {other}"),
+    }
+
+    body["stream"] = json!(true);
+    let events = stream_events(&server, "/v1/chat/completions", &body);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0))
+        .collect();
+    assert_eq!(
+        calls[0]["function"]["name"], name,
+        "the first piece names the function"
+    );
+    assert!(calls[1..]
+        .iter()
+        .all(|c| c["function"].get("name").is_none()));
+    let streamed: String = calls
+        .iter()
+        .map(|c| c["function"]["arguments"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, call["function"]["arguments"].as_str().unwrap());
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "tool_calls"
+    );
+
+    // The call and its result, sent back, are a conversation the server continues in text.
+    let mut next = chat_body("r2r", 4, false);
+    next["messages"] = json!([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "21 degrees"},
+    ]);
+    let (status, answer) = server.post("/v1/chat/completions", &next);
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer["choices"][0]["message"]["content"].is_string(),
+        "{answer}"
+    );
+
+    // A named function is the one called.
+    body["stream"] = json!(false);
+    body["tool_choice"] = json!({"type": "function", "function": {"name": "time"}});
+    let (status, named) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{named}");
+    let call = &named["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "time", "{named}");
+}
+
+#[test]
 fn bad_input_gets_the_right_status_and_an_openai_error_and_the_server_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(dir.path());
@@ -266,7 +351,13 @@ fn bad_input_gets_the_right_status_and_an_openai_error_and_the_server_keeps_serv
         Case::new("POST", chat, None, r#"{"messages": []}"#, 400, Some("messages")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, 400, Some("messages[0].role")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user"}]}"#, 400, Some("messages[0].content")),
-        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#, 400, Some("tools")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#, 400, Some("tool_choice")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}"#, 400, Some("tool_choice")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f b"}}], "tool_choice": "required"}"#, 400, Some("tools[0].function.name")),
+        Case::new("POST", chat, None, r##"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "$ref": "#/nowhere"}}}], "tool_choice": "required"}"##, 400, Some("tools[1].function.parameters")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x", "tool_calls": []}]}"#, 400, Some("messages[0].tool_calls")),
+        Case::new("POST", chat, None, r#"{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}]}"#, 400, Some("messages[0].tool_calls[0]")),
+        Case::new("POST", "/v1/completions", None, r#"{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}"#, 400, Some("tools")),
         Case::new("POST", chat, None, r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}"#, 400, Some("response_format.type")),
         Case::new("POST", chat, None, r##"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "$ref": "#/nowhere"}}}}"##, 400, Some("response_format.json_schema.schema")),
         Case::new("POST", "/v1/completions", None, r#"{"prompt": "x", "guided_regex": "a", "ignore_eos": true}"#, 400, Some("guided_regex")),
@@ -344,7 +435,8 @@ fn bad_input_gets_the_right_status_and_an_openai_error_and_the_server_keeps_serv
     let (status, answer) = server.post(
         chat,
         &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [],
-                "tool_choice": "none", "logprobs": false, "response_format": {"type": "text"}}),
+                "tool_choice": "none", "logprobs": false, "response_format": {"type": "text"},
+                "functions": [], "parallel_tool_calls": true}),
     );
     assert_eq!(status, 200, "{answer}");
     // The failed swaps changed nothing, and the token never reached the log.

@@ -4,8 +4,9 @@
 //! later) so their ratios share the machine's conditions. Each cell also reports what the Markov model predicts from the
 //! routing measured in that cell, with L(b) fitted to the cell's steps and with L(b) from
 //! the models' step profiles; token timings (TTFT, inter-token gaps); the prefix cache's
-//! share of positions; and, with `--long-prompt`, how much one long prompt arriving
-//! mid-cell stretches the other requests' inter-token gaps.
+//! share of positions; with `--long-prompt`, how much one long prompt arriving mid-cell
+//! stretches the other requests' inter-token gaps; and with `--json-schema`, each cell again
+//! with every request held to a schema, beside it, and what the masks cost a step.
 
 use super::median;
 use super::remote;
@@ -21,6 +22,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, ExecutionMode, PolicyConfig, StepCost};
+use tokenrouter::constraint::OutputFormat;
 use tokenrouter::engine::SamplingParams;
 use tokenrouter::runtime::{
     GenerateRequest, ModelSnapshot, RequestEvent, RequestHandle, RoutingStats, Runtime,
@@ -116,6 +118,8 @@ pub struct RoutingBenchSettings {
     /// Price the profile prediction with step profiles measured in this process just before
     /// and after each cell instead of the configured ones.
     pub profile_steps: bool,
+    /// Every cell runs twice, its requests unconstrained and held to this format.
+    pub constraint: Option<OutputFormat>,
 }
 
 /// A step profile measured around a cell.
@@ -159,6 +163,9 @@ pub struct ModelCell {
     /// Share of the cell's time the model spent stepping.
     pub busy_share: f64,
     pub step_ms_mean: f64,
+    /// Median time of the steps that decoded exactly N rows (the cell's concurrency) and
+    /// appended nothing else: the step to compare with and without constraints.
+    pub full_batch_step_ms: Option<f64>,
     /// The same steps priced by the step costs of the profile prediction (a + c·rows, and
     /// each further token at the prefill rate): how far the model ran from its profile.
     pub profile_step_ms_mean: Option<f64>,
@@ -166,7 +173,9 @@ pub struct ModelCell {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RoutingBenchRow {
+    /// With `+schema` when the requests were held to the `--json-schema` format.
     pub policy: String,
+    pub constrained: bool,
     pub workload: Workload,
     pub mode: &'static str,
     pub concurrency: usize,
@@ -285,6 +294,7 @@ fn model_cells(
     names: &[String],
     (before, after): (&Snapshot, &Snapshot),
     costs: &[Option<StepCost>],
+    concurrency: usize,
 ) -> Vec<ModelCell> {
     let snapshot = runtime.snapshot();
     let seconds = (after.at - before.at).as_secs_f64();
@@ -299,6 +309,11 @@ fn model_cells(
                 logged.iter().map(f).fold(0.0, |sum, x| sum + x) / logged.len().max(1) as f64
             };
             let step_ms_mean = mean(&|&(_, _, ms)| ms);
+            let mut full_batch: Vec<f64> = logged
+                .iter()
+                .filter(|&&(rows, tokens, _)| rows == concurrency && tokens == rows)
+                .map(|&(_, _, ms)| ms)
+                .collect();
             let profile_step_ms_mean = costs.get(i).copied().flatten().map(|cost| {
                 mean(&|&(rows, tokens, _)| {
                     cost.a_ms
@@ -317,6 +332,7 @@ fn model_cells(
                     / 1e3,
                 busy_share: step_ms_mean * steps as f64 / 1e3 / seconds.max(1e-9),
                 step_ms_mean,
+                full_batch_step_ms: (!full_batch.is_empty()).then(|| median(&mut full_batch)),
                 profile_step_ms_mean: (steps > 0).then_some(profile_step_ms_mean).flatten(),
             }
         })
@@ -620,14 +636,32 @@ fn agreement(output: &[u32], reference: &[u32]) -> f64 {
     same as f64 / reference.len() as f64
 }
 
+/// Starts `request`, held to `format` when given.
+fn start(
+    runtime: &Runtime,
+    request: GenerateRequest,
+    format: Option<&OutputFormat>,
+) -> Result<RequestHandle, RuntimeError> {
+    let request = runtime.validate(request)?;
+    let request = match format {
+        Some(format) => runtime.constrain(request, runtime.compile(format)?)?,
+        None => request,
+    };
+    Ok(runtime.launch(request))
+}
+
 async fn closed_loop(
     runtime: Rc<Runtime>,
     prompts: Rc<Vec<Vec<u32>>>,
     policy: &str,
     concurrency: usize,
     settings: &RoutingBenchSettings,
+    constrained: bool,
 ) -> Tally {
-    let ignore_eos = settings.workload.ignores_eos();
+    let format: Rc<Option<OutputFormat>> =
+        Rc::new(settings.constraint.clone().filter(|_| constrained));
+    // A grammar ends its output with end-of-sequence.
+    let ignore_eos = settings.workload.ignores_eos() && format.is_none();
     let tally = Rc::new(RefCell::new(Tally::default()));
     let request =
         move |prompt: Vec<u32>, policy: &str, max_tokens: usize, seed: u64| GenerateRequest {
@@ -673,16 +707,18 @@ async fn closed_loop(
     let policy: Rc<str> = policy.into();
     let (job_tally, max_tokens) = (tally.clone(), settings.max_tokens);
     super::for_each_closed_loop_while(concurrency, more, move |i| {
-        let (runtime, prompts, tally, policy) = (
+        let (runtime, prompts, tally, policy, format) = (
             runtime.clone(),
             prompts.clone(),
             job_tally.clone(),
             policy.clone(),
+            format.clone(),
         );
         async move {
             let prompt = prompts[i % prompts.len()].clone();
             let sent = Instant::now();
-            let result = match runtime.submit(request(prompt, &policy, max_tokens, i as u64)) {
+            let request = request(prompt, &policy, max_tokens, i as u64);
+            let result = match start(&runtime, request, format.as_ref().as_ref()) {
                 Ok(handle) => follow(handle).await,
                 Err(e) => Err(e),
             };
@@ -786,6 +822,19 @@ pub async fn run(
     if registry.get(&settings.reference).is_none() {
         return Err(RuntimeError::UnknownPolicy(settings.reference.clone()).into());
     }
+    if settings.constraint.is_some() {
+        if let Some(mode) = settings
+            .modes
+            .iter()
+            .find(|m| matches!(m, BenchMode::StdServing | BenchMode::Remote(_)))
+        {
+            anyhow::bail!(
+                "--json-schema: mode {} cannot constrain its requests (single-model servers \
+                 and models in other processes take no grammar)",
+                mode.as_str()
+            );
+        }
+    }
     let servers = if settings.modes.contains(&BenchMode::StdServing) {
         first.tokenizer().map_err(|_| {
             anyhow::anyhow!("std-serving needs models with a tokenizer (real weights)")
@@ -823,6 +872,7 @@ pub async fn run(
                 &settings.reference,
                 n,
                 settings,
+                false,
             )
             .await
             .outputs
@@ -832,16 +882,29 @@ pub async fn run(
         reference.sort();
         for policy in &policies {
             for &concurrency in &settings.concurrency {
-                // Each round starts one mode later, so no mode always follows the same one.
-                let mut order = settings.modes.clone();
-                order.rotate_left(round % settings.modes.len());
-                for mode in order {
+                // Each round starts one cell later, so no cell always follows the same one.
+                let variants: &[bool] = match settings.constraint {
+                    Some(_) => &[false, true],
+                    None => &[false],
+                };
+                let mut order: Vec<(BenchMode, bool)> = settings
+                    .modes
+                    .iter()
+                    .flat_map(|&mode| variants.iter().map(move |&c| (mode, c)))
+                    .collect();
+                let cells = order.len();
+                order.rotate_left(round % cells);
+                for (mode, constrained) in order {
                     let cell = CellId {
                         policy,
                         mode,
                         concurrency,
                         round,
+                        constrained,
                     };
+                    // The reference wrote unconstrained text: no agreement to measure.
+                    let reference: &[(usize, Vec<u32>)] =
+                        if constrained { &[] } else { &reference };
                     let row = match (&servers, runtimes.iter().find(|(m, _)| *m == mode)) {
                         (_, Some((_, runtime))) => {
                             let served_by = match mode {
@@ -862,6 +925,7 @@ pub async fn run(
                                 served_by,
                                 concurrency,
                                 settings,
+                                constrained,
                             )
                             .await;
                             let after = Snapshot::take(runtime);
@@ -938,10 +1002,11 @@ pub async fn run(
                                     &names,
                                     (&before, &after),
                                     &profile_costs,
+                                    concurrency,
                                 ),
                                 bus_round_trip_us: median_and_p99_us(&round_trips),
                                 handoff_transit_us: median_and_p99_us(&transits),
-                                ..cell.row(t, seconds, &names, &reference, settings)
+                                ..cell.row(t, seconds, &names, reference, settings)
                             }
                         }
                         (Some(servers), None) => {
@@ -968,7 +1033,7 @@ pub async fn run(
                             let seconds = started.elapsed().as_secs_f64();
                             RoutingBenchRow {
                                 std_serving_breakdown: Some(breakdown),
-                                ..cell.row(t, seconds, &names, &reference, settings)
+                                ..cell.row(t, seconds, &names, reference, settings)
                             }
                         }
                         (None, None) => unreachable!("every mode has a runtime or the servers"),
@@ -992,6 +1057,7 @@ struct CellId<'a> {
     mode: BenchMode,
     concurrency: usize,
     round: usize,
+    constrained: bool,
 }
 
 impl CellId<'_> {
@@ -1023,7 +1089,11 @@ impl CellId<'_> {
             })
             .collect();
         RoutingBenchRow {
-            policy: self.policy.to_string(),
+            policy: match self.constrained {
+                true => format!("{}+schema", self.policy),
+                false => self.policy.to_string(),
+            },
+            constrained: self.constrained,
             workload: settings.workload,
             mode: self.mode.as_str(),
             concurrency: self.concurrency,
@@ -1152,6 +1222,90 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     out += &summary(rows);
     out += &ratios(rows);
     out += &std_serving_times(rows);
+    out += &constraint_costs(rows);
+    out
+}
+
+/// With `--json-schema`: each constrained cell beside its unconstrained twin (same policy,
+/// mode, N and round): throughput, and per model the full-batch step's median time and the
+/// ratio of the two, then each ratio's median over rounds.
+fn constraint_costs(rows: &[RoutingBenchRow]) -> String {
+    let pairs: Vec<(&RoutingBenchRow, &RoutingBenchRow)> = rows
+        .iter()
+        .filter(|r| r.constrained)
+        .filter_map(|c| {
+            let base = c.policy.strip_suffix("+schema")?;
+            let free = rows.iter().find(|u| {
+                !u.constrained
+                    && u.policy == base
+                    && (u.mode, u.concurrency, u.round) == (c.mode, c.concurrency, c.round)
+            })?;
+            Some((free, c))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return String::new();
+    }
+    let ratio = |free: &ModelCell, held: &ModelCell| {
+        Some(held.full_batch_step_ms? / free.full_batch_step_ms?)
+    };
+    let mut out = String::from(
+        "
+Constrained (`--json-schema`) against unconstrained, per model: median time of the steps that decoded exactly N rows (ms), unconstrained → constrained (ratio):
+
+| policy | mode | N | round | tokens/s | full-batch step ms |\n|---|---|---:|---:|---|---|\n",
+    );
+    for (free, held) in &pairs {
+        let steps: Vec<String> = free
+            .per_model
+            .iter()
+            .zip(&held.per_model)
+            .map(
+                |(f, h)| match (f.full_batch_step_ms, h.full_batch_step_ms) {
+                    (Some(a), Some(b)) => format!("{a:.1} → {b:.1} ({:.2}×)", b / a),
+                    _ => "–".to_string(),
+                },
+            )
+            .collect();
+        out += &format!(
+            "| {} | {} | {} | {} | {:.1} → {:.1} | {} |\n",
+            free.policy,
+            free.mode,
+            free.concurrency,
+            free.round,
+            free.tokens_per_s,
+            held.tokens_per_s,
+            steps.join(" / "),
+        );
+    }
+    let mut groups: Vec<(&str, &str, usize)> = pairs
+        .iter()
+        .map(|(f, _)| (f.policy.as_str(), f.mode, f.concurrency))
+        .collect();
+    groups.sort();
+    groups.dedup();
+    out +=
+        "\n| policy | mode | N | full-batch step ratio, median over rounds |\n|---|---|---:|---|\n";
+    for (policy, mode, n) in groups {
+        let group: Vec<_> = pairs
+            .iter()
+            .filter(|(f, _)| (f.policy.as_str(), f.mode, f.concurrency) == (policy, mode, n))
+            .collect();
+        let models = group[0].0.per_model.len();
+        let medians: Vec<String> = (0..models)
+            .map(|m| {
+                let mut ratios: Vec<f64> = group
+                    .iter()
+                    .filter_map(|(f, h)| ratio(&f.per_model[m], &h.per_model[m]))
+                    .collect();
+                match ratios.is_empty() {
+                    true => "–".to_string(),
+                    false => format!("{:.3}×", median(&mut ratios)),
+                }
+            })
+            .collect();
+        out += &format!("| {policy} | {mode} | {n} | {} |\n", medians.join(" / "));
+    }
     out
 }
 

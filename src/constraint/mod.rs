@@ -12,7 +12,8 @@ mod request;
 mod vocabulary;
 
 pub use format::{FormatError, OutputFormat};
-pub(crate) use request::{GrammarFilter, RequestGrammar};
+pub(crate) use request::GrammarFilter;
+pub use request::RequestGrammar;
 pub use vocabulary::Vocabulary;
 #[cfg(test)]
 pub(crate) use vocabulary::{ascii_token, vocabulary_for_tests};

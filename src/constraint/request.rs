@@ -8,7 +8,7 @@ use crate::policy::ModelIdx;
 use llguidance::Matcher;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub(crate) struct RequestGrammar {
+pub struct RequestGrammar {
     state: Mutex<State>,
 }
 

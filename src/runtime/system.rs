@@ -772,22 +772,13 @@ impl Runtime {
         })
     }
 
-    /// Constrains a validated request's output to `format`: compiled here, so a schema
-    /// llguidance cannot serve fails before any generation.
-    pub fn constrain(
-        &self,
-        request: ValidRequest,
-        format: &OutputFormat,
-    ) -> Result<ValidRequest, RuntimeError> {
+    /// Compiles `format` into a request's grammar over every model's vocabulary, so a schema
+    /// llguidance cannot serve fails before any generation. CPU-bound (a large schema takes
+    /// milliseconds to seconds): the server calls it off its event loop.
+    pub fn compile(&self, format: &OutputFormat) -> Result<Arc<RequestGrammar>, RuntimeError> {
         if self.bus.is_some() {
             return Err(InvalidRequest::Unconstrainable(
                 "is not served with models in other processes ([cluster])",
-            )
-            .into());
-        }
-        if request.ignore_eos {
-            return Err(InvalidRequest::Unconstrainable(
-                "needs end-of-sequence to end the output (not `ignore_eos`)",
             )
             .into());
         }
@@ -801,8 +792,23 @@ impl Runtime {
         // Every model of a deployment speaks the deployment tokenizer's vocabulary.
         let vocabularies = vec![vocabulary; self.models.len()];
         let grammar = RequestGrammar::new(format, &vocabularies).map_err(InvalidRequest::from)?;
+        Ok(Arc::new(grammar))
+    }
+
+    /// Constrains a validated request's output by a grammar from `compile`.
+    pub fn constrain(
+        &self,
+        request: ValidRequest,
+        grammar: Arc<RequestGrammar>,
+    ) -> Result<ValidRequest, RuntimeError> {
+        if request.ignore_eos {
+            return Err(InvalidRequest::Unconstrainable(
+                "needs end-of-sequence to end the output (not `ignore_eos`)",
+            )
+            .into());
+        }
         Ok(ValidRequest {
-            grammar: Some(Arc::new(grammar)),
+            grammar: Some(grammar),
             ..request
         })
     }

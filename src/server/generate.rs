@@ -10,8 +10,9 @@ use super::openai::{
     Prompt,
 };
 use super::text::TextStream;
+use super::tools::{self, CallText, ToolCallPiece, ToolCalling};
 use super::{read_json, AppState};
-use crate::constraint::OutputFormat;
+use crate::constraint::{OutputFormat, RequestGrammar};
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::{
     EngineTiming, FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestHandle,
@@ -103,7 +104,10 @@ pub async fn chat_completions(
     let (request, options): (ChatCompletionRequest, _) =
         read_request(&state, &req, payload).await?;
     let generation = request.generation(&options, &state.config)?;
-    let messages = request.chat_messages()?;
+    let mut messages = request.chat_messages()?;
+    if let Some(calling) = &generation.calling {
+        calling.show(&mut messages);
+    }
     let parsed = Instant::now();
     let text = state.chat_template()?.render(&messages, true)?;
     let prompt = state.tokenizer()?.encode(&text)?;
@@ -133,6 +137,49 @@ fn format_field(field: &'static str, format: &OutputFormat) -> &'static str {
     }
 }
 
+/// Compiles `format` on a blocking thread: a large schema takes long enough to stall every
+/// other connection of this event loop.
+async fn compile(
+    state: &AppState,
+    format: OutputFormat,
+) -> Result<Arc<RequestGrammar>, RuntimeError> {
+    let runtime = state.runtime.clone();
+    web::block(move || runtime.compile(&format))
+        .await
+        .map_err(|e| RuntimeError::Failed(format!("compiling the output format: {e}")))?
+}
+
+/// A compile error as a 400 naming `field`.
+fn format_error(field: &str, e: RuntimeError) -> ApiError {
+    match e {
+        RuntimeError::Invalid(e) => ApiError::invalid(field, e.to_string()),
+        e => e.into(),
+    }
+}
+
+/// The grammar of a tool call. When it does not compile, each function's parameters are
+/// compiled alone to name the one at fault.
+async fn compile_call(
+    state: &AppState,
+    calling: &ToolCalling,
+) -> Result<Arc<RequestGrammar>, ApiError> {
+    let whole = match compile(state, calling.format()).await {
+        Ok(grammar) => return Ok(grammar),
+        Err(e @ RuntimeError::Invalid(InvalidRequest::OutputFormat(_))) => e,
+        Err(e) => return Err(format_error("tools", e)),
+    };
+    for (function, position) in calling.functions.iter().zip(&calling.positions) {
+        let alone = OutputFormat::JsonSchema(function.parameters.clone());
+        if let Err(e) = compile(state, alone).await {
+            return Err(format_error(
+                &format!("tools[{position}].function.parameters"),
+                e,
+            ));
+        }
+    }
+    Err(format_error("tools", whole))
+}
+
 /// Where a request's time went before it reached the runtime.
 struct HandlerTimes {
     received: Instant,
@@ -151,6 +198,18 @@ async fn run(
     generation: Generation,
     times: HandlerTimes,
 ) -> Result<HttpResponse, ApiError> {
+    // Compiled first: a bad schema is named whatever else is wrong. A call replaces any
+    // `response_format`, which shapes only text replies.
+    let grammar = match (&generation.calling, generation.format) {
+        (Some(calling), _) => Some(("tools", compile_call(state, calling).await?)),
+        (None, Some((field, format))) => Some((
+            field,
+            compile(state, format.clone())
+                .await
+                .map_err(|e| format_error(format_field(field, &format), e))?,
+        )),
+        (None, None) => None,
+    };
     let limit = state.config.max_prompt_tokens;
     if prompt.len() > limit {
         return Err(ApiError::ContextLength {
@@ -205,22 +264,17 @@ async fn run(
         Some(top) => request.with_logprobs(top),
         None => request,
     };
-    let request = match &generation.format {
-        Some((field, format)) => state
+    let request = match grammar {
+        Some((field, grammar)) => state
             .runtime
-            .constrain(request, format)
-            .map_err(|e| match e {
-                RuntimeError::Invalid(InvalidRequest::OutputFormat(e)) => {
-                    ApiError::invalid(format_field(field, format), e.to_string())
-                }
-                RuntimeError::Invalid(e) => ApiError::invalid(field, e.to_string()),
-                e => e.into(),
-            })?,
+            .constrain(request, grammar)
+            .map_err(|e| format_error(field, e))?,
         None => request,
     };
     let prompt_tokens = request.prompt_tokens();
     let slot = state.admission.enter().await?;
     let handle = state.runtime.launch(request);
+    let handle_rid = handle.rid;
     let tokenizer = state.tokenizer()?.clone();
     let reply = Reply {
         flavor,
@@ -249,6 +303,9 @@ async fn run(
         tokenizer,
         generation.stop,
         reply.model_names.len(),
+        generation
+            .calling
+            .map(|_| CallText::new(format!("call_{handle_rid}"))),
     );
     let stall = (state.config.stream_stall_timeout_ms > 0)
         .then(|| Duration::from_millis(state.config.stream_stall_timeout_ms));
@@ -280,6 +337,8 @@ struct Progress {
     logprobs: Vec<logprobs::Entry>,
     /// Characters of text the client has been sent.
     sent_chars: usize,
+    /// The call being written, when the reply must be a tool call.
+    call: Option<CallText>,
     launched: Instant,
     /// Turning token ids into text.
     detokenize: Duration,
@@ -307,6 +366,7 @@ impl Progress {
         tokenizer: Arc<ModelTokenizer>,
         stop: Vec<String>,
         models: usize,
+        call: Option<CallText>,
     ) -> Self {
         let decode: Decoder = Box::new(move |ids| tokenizer.decode(ids, true).unwrap_or_default());
         Self {
@@ -318,6 +378,7 @@ impl Progress {
             last_model: None,
             logprobs: Vec::new(),
             sent_chars: 0,
+            call,
             launched: Instant::now(),
             detokenize: Duration::ZERO,
             engine: None,
@@ -443,7 +504,52 @@ struct Routing<'a> {
 struct Message<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
-    content: &'a str,
+    /// Null in a tool call.
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<ToolCallPiece>>,
+}
+
+/// What a choice carries: text, or (pieces of) a tool call.
+enum Body<'a> {
+    Text(&'a str),
+    Call(Vec<ToolCallPiece>),
+}
+
+impl<'a> Body<'a> {
+    fn message(self, role: Option<&'static str>) -> Message<'a> {
+        match self {
+            Body::Text(text) => Message {
+                role,
+                content: Some(text),
+                tool_calls: None,
+            },
+            Body::Call(pieces) => Message {
+                role,
+                content: None,
+                tool_calls: (!pieces.is_empty()).then_some(pieces),
+            },
+        }
+    }
+}
+
+/// Why a choice ended, in OpenAI's words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Finish {
+    Stop,
+    Length,
+    /// A complete tool call was written.
+    ToolCalls,
+}
+
+impl From<FinishReason> for Finish {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => Finish::Stop,
+            FinishReason::Length => Finish::Length,
+        }
+    }
 }
 
 /// One choice, in the shape of its endpoint.
@@ -454,20 +560,20 @@ enum Choice<'a> {
         index: usize,
         text: &'a str,
         logprobs: Option<ChoiceLogprobs>,
-        finish_reason: Option<FinishReason>,
+        finish_reason: Option<Finish>,
     },
     Message {
         index: usize,
         message: Message<'a>,
         logprobs: Option<ChoiceLogprobs>,
-        finish_reason: Option<FinishReason>,
+        finish_reason: Option<Finish>,
     },
     Delta {
         index: usize,
         delta: Message<'a>,
         #[serde(skip_serializing_if = "Option::is_none")]
         logprobs: Option<ChoiceLogprobs>,
-        finish_reason: Option<FinishReason>,
+        finish_reason: Option<Finish>,
     },
 }
 
@@ -515,40 +621,36 @@ impl Reply {
         }
     }
 
-    /// A choice carrying `text` (and its tokens' log-probabilities when asked): a message
+    /// A choice carrying `body` (and its tokens' log-probabilities when asked): a message
     /// or delta for chat, plain text otherwise.
     fn choice<'a>(
         &self,
-        text: &'a str,
-        finish: Option<FinishReason>,
+        body: Body<'a>,
+        finish: Option<Finish>,
         stream: bool,
         entries: Option<Vec<logprobs::Entry>>,
     ) -> Choice<'a> {
         let index = 0;
-        let message = Message {
-            role: None,
-            content: text,
-        };
         let tokenizer = &self.tokenizer;
         match (self.flavor, stream) {
             (Flavor::Text, _) => Choice::Text {
                 index,
-                text,
+                text: match body {
+                    Body::Text(text) => text,
+                    Body::Call(_) => "",
+                },
                 logprobs: entries.map(|e| logprobs::text(tokenizer, e)),
                 finish_reason: finish,
             },
             (Flavor::Chat, false) => Choice::Message {
                 index,
-                message: Message {
-                    role: Some("assistant"),
-                    content: text,
-                },
+                message: body.message(Some("assistant")),
                 logprobs: entries.map(|e| logprobs::chat(tokenizer, e)),
                 finish_reason: finish,
             },
             (Flavor::Chat, true) => Choice::Delta {
                 index,
-                delta: message,
+                delta: body.message(None),
                 logprobs: entries.map(|e| logprobs::chat(tokenizer, e)),
                 finish_reason: finish,
             },
@@ -581,8 +683,15 @@ async fn respond_whole(mut progress: Progress, reply: Reply) -> Result<HttpRespo
             Outcome::Done(rest, reason, stats) => {
                 text.push_str(&rest);
                 let policy = progress.handle.policy.clone();
+                let (body, finish) = match progress.call.as_mut() {
+                    None => (Body::Text(&text), reason.into()),
+                    Some(call) => {
+                        let (pieces, finish) = call_end(call, &text, reason);
+                        (Body::Call(tools::merge(pieces)), finish)
+                    }
+                };
                 let entries = progress.take_logprobs(reply.logprobs);
-                let choice = reply.choice(&text, Some(reason), false, entries);
+                let choice = reply.choice(body, Some(finish), false, entries);
                 let body = Envelope {
                     usage: Some(reply.usage(progress.completion_tokens())),
                     routing: Some(reply.routing(&policy, &stats)),
@@ -595,6 +704,20 @@ async fn respond_whole(mut progress: Progress, reply: Reply) -> Result<HttpRespo
             Outcome::Failed(e) => return Err(e),
         }
     }
+}
+
+/// The last pieces of a call, given the text still to come; `tool_calls` when the call is
+/// complete, else why the generation ended (the arguments are then cut short).
+fn call_end(call: &mut CallText, rest: &str, reason: FinishReason) -> (Vec<ToolCallPiece>, Finish) {
+    let mut pieces = call.push(rest);
+    let (tail, complete) = call.finish();
+    pieces.extend(tail);
+    let finish = if complete {
+        Finish::ToolCalls
+    } else {
+        reason.into()
+    };
+    (pieces, finish)
 }
 
 fn event(value: &impl Serialize) -> String {
@@ -615,10 +738,7 @@ fn sse(
     let first = (reply.flavor == Flavor::Chat).then(|| {
         let choice = Choice::Delta {
             index: 0,
-            delta: Message {
-                role: Some("assistant"),
-                content: "",
-            },
+            delta: Body::Text("").message(Some("assistant")),
             logprobs: None,
             finish_reason: None,
         };
@@ -656,17 +776,31 @@ async fn next_chunk(progress: &mut Progress, reply: &Reply, policy: &str) -> (St
         match progress.next().await {
             Outcome::Delta(delta) if delta.is_empty() => continue,
             Outcome::Delta(delta) => {
+                let body = match progress.call.as_mut() {
+                    None => Body::Text(&delta),
+                    Some(call) => match call.push(&delta) {
+                        pieces if pieces.is_empty() => continue,
+                        pieces => Body::Call(pieces),
+                    },
+                };
                 let entries = progress.take_logprobs(reply.logprobs);
                 let chunk = event(&reply.envelope(
                     policy,
                     true,
-                    vec![reply.choice(&delta, None, true, entries)],
+                    vec![reply.choice(body, None, true, entries)],
                 ));
                 progress.last_read = Instant::now();
                 return (chunk, true);
             }
             Outcome::Done(rest, reason, stats) => {
                 let usage = reply.usage(progress.completion_tokens());
+                let (body, finish) = match progress.call.as_mut() {
+                    None => (Body::Text(&rest), reason.into()),
+                    Some(call) => {
+                        let (pieces, finish) = call_end(call, &rest, reason);
+                        (Body::Call(pieces), finish)
+                    }
+                };
                 let entries = progress.take_logprobs(reply.logprobs);
                 let last = Envelope {
                     usage: Some(usage),
@@ -674,7 +808,7 @@ async fn next_chunk(progress: &mut Progress, reply: &Reply, policy: &str) -> (St
                     ..reply.envelope(
                         policy,
                         true,
-                        vec![reply.choice(&rest, Some(reason), true, entries)],
+                        vec![reply.choice(body, Some(finish), true, entries)],
                     )
                 };
                 let mut out = event(&last);

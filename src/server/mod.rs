@@ -9,6 +9,7 @@ mod logprobs;
 mod openai;
 mod status;
 mod text;
+mod tools;
 
 use crate::config::{Config, ServerConfig};
 use crate::engine::chat::ChatTemplate;

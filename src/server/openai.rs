@@ -4,6 +4,7 @@
 //! (`docs/http-api.md` lists every field and its treatment).
 
 use super::error::ApiError;
+use super::tools;
 use crate::config::ServerConfig;
 use crate::constraint::OutputFormat;
 use crate::engine::chat::ChatMessage;
@@ -22,6 +23,9 @@ pub const MAX_TOP_LOGPROBS: i64 = 20;
 pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Prompt,
+    /// A chat field: refused here unless it asks for nothing.
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -30,6 +34,8 @@ pub struct ChatCompletionRequest {
     pub messages: Vec<ChatMessageIn>,
     /// The newer name of `max_tokens` for chat.
     pub max_completion_tokens: Option<i64>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
 }
 
 /// The sampling and streaming fields both endpoints share, read from the same body.
@@ -95,6 +101,8 @@ pub enum Stop {
 pub struct ChatMessageIn {
     pub role: String,
     pub content: Option<MessageContent>,
+    /// An assistant turn's calls (its `content` may then be null).
+    pub tool_calls: Option<Vec<Value>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -126,6 +134,8 @@ pub struct Generation {
     pub logprobs: Option<usize>,
     /// The structured output asked for, with the field that asked.
     pub format: Option<(&'static str, OutputFormat)>,
+    /// Chat: the functions the reply must call one of (then `format` is not used).
+    pub calling: Option<tools::ToolCalling>,
 }
 
 impl GenerationOptions {
@@ -202,6 +212,7 @@ impl GenerationOptions {
                 .is_some_and(|o| o.include_usage),
             logprobs: None,
             format: self.output_format()?,
+            calling: None,
         })
     }
 
@@ -327,6 +338,12 @@ impl CompletionRequest {
         limits: &ServerConfig,
     ) -> Result<Generation, ApiError> {
         let max_tokens = options.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
+        if tools::tool_calling(self.tools.as_ref(), self.tool_choice.as_ref())?.is_some() {
+            return Err(ApiError::invalid(
+                "tools",
+                "tool calling is a chat feature: use /v1/chat/completions",
+            ));
+        }
         if options.top_logprobs.is_some() {
             return Err(ApiError::invalid(
                 "top_logprobs",
@@ -385,9 +402,11 @@ impl ChatCompletionRequest {
                 ))
             }
         };
+        let calling = tools::tool_calling(self.tools.as_ref(), self.tool_choice.as_ref())?;
         // Chat has no default length: it runs until the context (or the server's limit) ends.
         Ok(Generation {
             logprobs,
+            calling,
             ..options.validate(max_tokens, limits)?
         })
     }
@@ -406,17 +425,40 @@ impl ChatCompletionRequest {
             .map(|(i, m)| {
                 if !matches!(
                     m.role.as_str(),
-                    "system" | "user" | "assistant" | "developer"
+                    "system" | "user" | "assistant" | "developer" | "tool"
                 ) {
                     return Err(ApiError::invalid(
                         &format!("messages[{i}].role"),
                         format!(
-                            "unsupported role `{}` (system, developer, user, assistant)",
+                            "unsupported role `{}` (system, developer, user, assistant, tool)",
                             m.role
                         ),
                     ));
                 }
+                let calls = match (&m.tool_calls, m.role.as_str()) {
+                    (None, _) => Vec::new(),
+                    (Some(calls), "assistant") => calls
+                        .iter()
+                        .enumerate()
+                        .map(|(j, call)| {
+                            tools::call_as_text(call).ok_or_else(|| {
+                                ApiError::invalid(
+                                    &format!("messages[{i}].tool_calls[{j}]"),
+                                    "a tool call is {\"id\", \"type\": \"function\", \"function\": \
+                                     {\"name\", \"arguments\": a JSON string}}",
+                                )
+                            })
+                        })
+                        .collect::<Result<_, _>>()?,
+                    (Some(_), role) => {
+                        return Err(ApiError::invalid(
+                            &format!("messages[{i}].tool_calls"),
+                            format!("only assistant messages carry `tool_calls`, not {role}"),
+                        ))
+                    }
+                };
                 let content = match &m.content {
+                    None if !calls.is_empty() => String::new(),
                     None => {
                         let field = format!("messages[{i}].content");
                         return Err(ApiError::invalid(
@@ -437,6 +479,11 @@ impl ChatCompletionRequest {
                         .collect::<Result<Vec<_>, _>>()?
                         .concat(),
                 };
+                let content = std::iter::once(content)
+                    .filter(|c| !c.is_empty())
+                    .chain(calls)
+                    .collect::<Vec<_>>()
+                    .join("\n");
                 let role = if m.role == "developer" {
                     "system".to_string()
                 } else {
@@ -453,26 +500,16 @@ type IsDefault = fn(&Value) -> bool;
 
 /// OpenAI fields whose non-default values change what a client gets back, and which this
 /// server does not implement: each may be absent, `null` or its default, nothing else.
-const UNIMPLEMENTED: [(&str, IsDefault, &str); 14] = [
-    (
-        "tools",
-        empty_list,
-        "tool calling is not supported (only an empty list)",
-    ),
+const UNIMPLEMENTED: [(&str, IsDefault, &str); 12] = [
     (
         "functions",
         empty_list,
-        "function calling is not supported (only an empty list)",
-    ),
-    (
-        "tool_choice",
-        none_or_auto,
-        "tool calling is not supported (only \"none\" or \"auto\")",
+        "the legacy `functions` are not supported: declare them in `tools`",
     ),
     (
         "function_call",
         none_or_auto,
-        "function calling is not supported (only \"none\" or \"auto\")",
+        "the legacy `function_call` is not supported: use `tool_choice`",
     ),
     (
         "echo",
@@ -572,7 +609,7 @@ mod tests {
     #[test]
     fn unimplemented_fields_are_refused_unless_default() {
         for body in [
-            json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
+            json!({"functions": [], "function_call": "none", "response_format": {"type": "text"}}),
             json!({"echo": false, "best_of": 1}),
             json!({"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}),
             json!({"modalities": ["text"], "audio": null, "suffix": ""}),
@@ -580,9 +617,9 @@ mod tests {
             assert!(refuse_unimplemented(&body).is_ok(), "{body}");
         }
         for (body, field) in [
-            (json!({"tools": [{"type": "function"}]}), "tools"),
+            (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"echo": true}), "echo"),
-            (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"function_call": {"name": "f"}}), "function_call"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
             (json!({"logit_bias": {"42": 100}}), "logit_bias"),
             (json!({"modalities": ["text", "audio"]}), "modalities"),

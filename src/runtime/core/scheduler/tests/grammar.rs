@@ -101,3 +101,71 @@ fn chunk_rows_and_unconstrained_rows_carry_no_filter() {
     }
     assert!(plan.rows.iter().any(|row| !row.completes), "a chunk ran");
 }
+
+#[test]
+fn one_matcher_survives_pending_preemption_resume_and_cancellation() {
+    // 4 blocks: room for the constrained request and one more, not two more.
+    let mut kv0 = KvStore::new(4 * BLOCK_TOKENS);
+    kv0.set_prefix_sharing(false);
+    let mut kv1 = KvStore::new(1024);
+    let mut m0 = scheduler(ExecutionMode::Tokenrouter);
+    let mut m1 = ModelScheduler::new(
+        1,
+        2,
+        "m1",
+        ExecutionMode::Tokenrouter,
+        StepLimits::unlimited(),
+    );
+    let (r, grammar) = constrained(1);
+    m0.admit(&mut kv0, r, true);
+    let (_, effects) = step(
+        &mut m0,
+        &mut kv0,
+        ascii_token(b'{'),
+        &[Route::CommitThenSwitch(1)],
+    );
+    assert_eq!((m0.resident(), m0.pending()), (0, 1), "pending on m0");
+
+    // While m1 writes, m0's KV is wanted by a long prompt: the pending request is preempted.
+    m1.admit(&mut kv1, handed_off(effects), true);
+    m0.admit(&mut kv0, request(2, &[9; 3 * BLOCK_TOKENS + 1], 4), true);
+    let (work, _) = step(&mut m0, &mut kv0, 9, &[]);
+    assert!(
+        !has_filter(&work),
+        "the unconstrained prompt carries no mask"
+    );
+    assert_eq!((m0.counters().preemptions, m0.pending()), (1, 0));
+    assert_eq!(
+        grammar.committed(),
+        b"{",
+        "preemption leaves the grammar alone"
+    );
+    let (_, effects) = step(
+        &mut m1,
+        &mut kv1,
+        ascii_token(b'"'),
+        &[Route::CommitThenSwitch(0)],
+    );
+    assert_eq!(grammar.committed(), b"{\"");
+
+    // Back on m0 it recomputes its sequence from the committed tokens (the row that samples
+    // is the only one masked) and the grammar is not advanced again by the catch-up.
+    m0.drop_ended(&mut kv0, |rid| rid != RequestId(2));
+    m0.admit(&mut kv0, handed_off(effects), true);
+    let (work, effects) = step(&mut m0, &mut kv0, ascii_token(b'a'), &[]);
+    assert!(has_filter(&work));
+    assert_eq!(work[0].tokens.len(), 5, "prompt, `{{` and `\"` again");
+    assert_eq!(committed(&effects), vec![(1, ascii_token(b'a'))]);
+    assert_eq!(grammar.committed(), b"{\"a");
+    assert!(
+        allowed(grammar.mask(0)).contains(&ascii_token(b'"')),
+        "m0 masks by the one state: the key may close"
+    );
+
+    // Cancelled: dropping the request drops its grammar state with it (the step's work,
+    // whose mask filter holds it too, is gone by then).
+    drop(work);
+    assert_eq!(Arc::strong_count(&grammar), 2);
+    m0.drop_ended(&mut kv0, |_| false);
+    assert_eq!(Arc::strong_count(&grammar), 1);
+}
