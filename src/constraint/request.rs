@@ -230,7 +230,7 @@ mod tests {
         mut model_at: impl FnMut(usize) -> ModelIdx,
         mut choose: impl FnMut(&[u32]) -> usize,
     ) -> String {
-        for step in 0..400 {
+        for step in 0..4000 {
             let model = model_at(step);
             let mask = grammar.mask(model);
             let options = allowed(&mask, &vocabularies[model]);
@@ -276,6 +276,107 @@ mod tests {
                 |options| *draw.next().unwrap() as usize % options.len(),
             );
             prop_assert!(valid_under_schema(&text), "{text}");
+        }
+    }
+
+    /// Schemas of the kinds clients send: strings, integers, booleans and enums as leaves,
+    /// arrays and objects (some properties required, no others allowed) around them.
+    fn random_schema() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            (0u64..6).prop_map(|n| json!({"type": "string", "maxLength": n})),
+            (-50i64..50, 0i64..200).prop_map(
+                |(lo, span)| json!({"type": "integer", "minimum": lo, "maximum": lo + span})
+            ),
+            Just(json!({"type": "boolean"})),
+            proptest::collection::btree_set("[a-z]{1,4}", 1..4)
+                .prop_map(|words| json!({"enum": words.into_iter().collect::<Vec<_>>()})),
+        ];
+        leaf.prop_recursive(2, 12, 3, |inner| {
+            prop_oneof![
+                (inner.clone(), 0u64..4)
+                    .prop_map(|(items, n)| json!({"type": "array", "items": items, "maxItems": n})),
+                proptest::collection::vec((inner, any::<bool>()), 1..4).prop_map(|properties| {
+                    let names = (0..properties.len()).map(|i| format!("p{i}"));
+                    let required: Vec<String> = names
+                        .clone()
+                        .zip(&properties)
+                        .filter(|(_, (_, required))| *required)
+                        .map(|(name, _)| name)
+                        .collect();
+                    let properties: serde_json::Map<String, Value> = names
+                        .zip(properties)
+                        .map(|(name, (schema, _))| (name, schema))
+                        .collect();
+                    json!({"type": "object", "properties": properties, "required": required,
+                           "additionalProperties": false})
+                }),
+            ]
+        })
+    }
+
+    /// Whether `value` conforms to a schema `random_schema` made (an oracle apart from
+    /// llguidance, for that subset of JSON Schema).
+    fn conforms(value: &Value, schema: &Value) -> bool {
+        if let Some(words) = schema.get("enum").and_then(Value::as_array) {
+            return words.contains(value);
+        }
+        let number = |key: &str| schema[key].as_i64().expect("bound");
+        match schema["type"].as_str().expect("typed") {
+            "string" => value
+                .as_str()
+                .is_some_and(|s| s.chars().count() as i64 <= number("maxLength")),
+            "integer" => value
+                .as_i64()
+                .is_some_and(|n| (number("minimum")..=number("maximum")).contains(&n)),
+            "boolean" => value.is_boolean(),
+            "array" => value.as_array().is_some_and(|items| {
+                items.len() as i64 <= number("maxItems")
+                    && items.iter().all(|v| conforms(v, &schema["items"]))
+            }),
+            "object" => value.as_object().is_some_and(|object| {
+                let properties = schema["properties"].as_object().expect("properties");
+                let required = schema["required"].as_array().expect("required");
+                required
+                    .iter()
+                    .all(|k| object.contains_key(k.as_str().expect("name")))
+                    && object
+                        .iter()
+                        .all(|(k, v)| properties.get(k).is_some_and(|s| conforms(v, s)))
+            }),
+            other => panic!("no such type {other}"),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Over random schemas, both vocabularies and random moves between them: no token a
+        /// mask allows leaves the grammar, and every output that ends conforms to its schema.
+        #[test]
+        fn masks_keep_random_schemas_across_vocabularies(
+            schema in random_schema(),
+            draws in proptest::collection::vec(any::<u32>(), 64),
+            switches in proptest::collection::vec(any::<bool>(), 64),
+        ) {
+            let vocabularies = vec![vocabulary(false), vocabulary(true)];
+            let format = OutputFormat::JsonSchema(schema.clone());
+            let grammar = RequestGrammar::new(&format, &vocabularies).expect("compiles");
+            let mut model = 0;
+            let mut draw = draws.iter().cycle();
+            let mut switch = switches.iter().cycle();
+            let text = decode(
+                &grammar,
+                &vocabularies,
+                |_| {
+                    if *switch.next().unwrap() {
+                        model = 1 - model;
+                    }
+                    model
+                },
+                |options| *draw.next().unwrap() as usize % options.len(),
+            );
+            let value: Value = serde_json::from_str(&text).expect("JSON");
+            prop_assert!(conforms(&value, &schema), "{text} under {schema}");
         }
     }
 
