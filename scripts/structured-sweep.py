@@ -27,16 +27,8 @@ import openai
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODES = ["lockstep", "standard", "async", "tokenrouter"]
 ROUTED = ["r2r", "citer", "rstitch", "colm", "me"]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "string", "maxLength": 40},
-        "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2},
-    },
-    "required": ["answer", "confidence", "tags"],
-    "additionalProperties": False,
-}
+# The schema of `bench routing --json-schema` and the client tests.
+SCHEMA = json.loads((ROOT / "config/schemas/answer.json").read_text())
 # Room for the longest answer the schema admits, escapes included: none ends on the limit.
 MAX_TOKENS = 320
 

@@ -271,11 +271,7 @@ fn response_format(format: &Value) -> Result<Option<OutputFormat>, ApiError> {
                 ));
             };
             let name = spec.get("name").and_then(Value::as_str).unwrap_or_default();
-            let name_ok = (1..=64).contains(&name.len())
-                && name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-            if !name_ok {
+            if !is_valid_name(name) {
                 return Err(ApiError::invalid(
                     "response_format.json_schema.name",
                     "`response_format.json_schema.name` must be 1 to 64 letters, digits, `_` or `-`",
@@ -302,6 +298,14 @@ fn response_format(format: &Value) -> Result<Option<OutputFormat>, ApiError> {
             "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
         )),
     }
+}
+
+/// OpenAI's rule for the names of schemas and functions: 1 to 64 letters, digits, `_`, `-`.
+pub(crate) fn is_valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// A JSON schema: an object or a boolean, or (as vLLM takes `guided_json`) a string of one.

@@ -7,6 +7,7 @@
 //! first and the arguments can be streamed as they are written.
 
 use super::error::ApiError;
+use super::openai::is_valid_name;
 use crate::constraint::OutputFormat;
 use crate::engine::chat::ChatMessage;
 use serde::Serialize;
@@ -127,11 +128,7 @@ fn function(i: usize, tool: &Value) -> Result<Function, ApiError> {
         ));
     };
     let name = spec.get("name").and_then(Value::as_str).unwrap_or_default();
-    let name_ok = (1..=64).contains(&name.len())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-    if !name_ok {
+    if !is_valid_name(name) {
         return Err(ApiError::invalid(
             &format!("{field}.name"),
             format!("`{field}.name` must be 1 to 64 letters, digits, `_` or `-`"),

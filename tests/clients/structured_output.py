@@ -8,6 +8,7 @@ non-zero on any failure.
 """
 
 import json
+import pathlib
 import sys
 
 import jsonschema
@@ -16,16 +17,9 @@ import openai
 base_url, policies, prompts = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
 client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "string", "maxLength": 40},
-        "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2},
-    },
-    "required": ["answer", "confidence", "tags"],
-    "additionalProperties": False,
-}
+# The schema `bench routing --json-schema` and scripts/structured-sweep.py use too.
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((ROOT / "config/schemas/answer.json").read_text())
 QUESTIONS = [
     "What is the capital of Japan?",
     "Name a primary colour.",
