@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use tokenrouter::config::{
     Config, ExecutionMode, ModelConfig, WeightPrecision, DEFAULT_CONFIG_PATH,
 };
-use tokenrouter::constraint::OutputFormat;
+use tokenrouter::constraint::{OutputFormat, Vocabulary};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{load_executor, weights, Executor, SamplingParams};
@@ -402,6 +402,10 @@ struct BenchEngineArgs {
     /// their own threads, and report each one's step time both ways against running alone.
     #[arg(long, value_name = "OTHER_MODEL")]
     concurrent_with: Option<String>,
+    /// Instead: step a batch of the largest `--batch` rows, each generating JSON under the
+    /// schema in this file, in turn with the same batch unmasked, and report both step times.
+    #[arg(long, value_name = "FILE")]
+    json_schema: Option<PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -682,6 +686,26 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         prefill_tokens: args.prefill_tokens.max(1),
         ..Default::default()
     };
+    if let Some(path) = &args.json_schema {
+        let format = read_json_schema(path)?;
+        let tokenizer = ModelTokenizer::load(&model.path)?;
+        let vocabulary = Vocabulary::new(&tokenizer, llguidance::api::ParserLimits::default())?;
+        let batch = settings.batches.iter().copied().max().unwrap_or(1);
+        let report = bench::engine::constrained_step(
+            executor.as_mut(),
+            &format,
+            &vocabulary,
+            &tokenizer.eos,
+            batch,
+            &settings,
+        )?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print!("{}", report.markdown());
+        }
+        return Ok(());
+    }
     if let Some(other) = &args.concurrent_with {
         let other = with_overrides(pick_model(&config, Some(other))?);
         let mut other_executor = load_executor(&other)?;

@@ -6,9 +6,13 @@ use super::bandwidth::{self, Bound};
 use super::median;
 use serde::Serialize;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 use tokenrouter::config::{Config, StepCost};
-use tokenrouter::engine::{load_executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::constraint::{OutputFormat, RequestGrammar, Vocabulary};
+use tokenrouter::engine::{
+    load_executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor, TokenFilter,
+};
 use tokenrouter::error::EngineResult;
 use tokenrouter::tuning::online::fit_latency;
 
@@ -186,11 +190,23 @@ impl DecodeBatch {
 
     /// One decode step over every row; its wall time in ms.
     fn step(&mut self, executor: &mut dyn StepExecutor) -> EngineResult<f64> {
+        self.step_masked(executor, &[])
+    }
+
+    /// One decode step, row i masked by `filters[i]` where given; its wall time in ms.
+    fn step_masked(
+        &mut self,
+        executor: &mut dyn StepExecutor,
+        filters: &[Arc<dyn TokenFilter>],
+    ) -> EngineResult<f64> {
         let decode: Vec<SeqWork> = self
             .next
             .iter()
             .enumerate()
-            .map(|(i, &t)| work(self.first_seq + i as u64, vec![t]))
+            .map(|(i, &t)| SeqWork {
+                filter: filters.get(i).cloned(),
+                ..work(self.first_seq + i as u64, vec![t])
+            })
             .collect();
         let start = Instant::now();
         let out = executor.step(&decode)?;
@@ -219,6 +235,82 @@ impl DecodeBatch {
         for i in 0..self.next.len() {
             executor.free(SeqId(self.first_seq + i as u64));
         }
+    }
+}
+
+/// What masking every row by a grammar costs a decode step.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConstrainedStep {
+    pub model: String,
+    pub batch: usize,
+    pub steps: usize,
+    pub unconstrained_ms_median: f64,
+    pub constrained_ms_median: f64,
+    /// Outputs the masked rows completed (each row starts a fresh one at once).
+    pub outputs_completed: usize,
+}
+
+/// A decode batch whose rows each generate under `format` (the sampled token committed to
+/// the row's grammar, a fresh grammar once an output ends) and the same batch without masks,
+/// stepped in turn so drift on this shared machine hits both alike: their median step times.
+pub fn constrained_step(
+    executor: &mut dyn StepExecutor,
+    format: &OutputFormat,
+    vocabulary: &Arc<Vocabulary>,
+    eos: &std::collections::BTreeSet<u32>,
+    batch: usize,
+    settings: &EngineBenchSettings,
+) -> anyhow::Result<ConstrainedStep> {
+    let fresh = || -> anyhow::Result<Arc<RequestGrammar>> {
+        Ok(Arc::new(RequestGrammar::new(
+            format,
+            std::slice::from_ref(vocabulary),
+        )?))
+    };
+    let mut grammars = (0..batch).map(|_| fresh()).collect::<Result<Vec<_>, _>>()?;
+    let mut free = DecodeBatch::start(executor, 0, batch, settings.context)?;
+    let mut held = DecodeBatch::start(executor, batch as u64, batch, settings.context)?;
+    let (mut free_ms, mut held_ms, mut completed) = (Vec::new(), Vec::new(), 0);
+    for round in 0..settings.steps + 2 {
+        let filters: Vec<Arc<dyn TokenFilter>> = grammars.iter().map(|g| g.filter(0)).collect();
+        let (a, b) = (free.step(executor)?, held.step_masked(executor, &filters)?);
+        if round >= 2 {
+            free_ms.push(a);
+            held_ms.push(b);
+        }
+        for (grammar, &token) in grammars.iter_mut().zip(&held.next) {
+            if eos.contains(&token) || grammar.commit(0, token).is_err() {
+                completed += 1;
+                *grammar = fresh()?;
+            }
+        }
+    }
+    free.finish(executor);
+    held.finish(executor);
+    Ok(ConstrainedStep {
+        model: executor.name().to_string(),
+        batch,
+        steps: settings.steps,
+        unconstrained_ms_median: median(&mut free_ms),
+        constrained_ms_median: median(&mut held_ms),
+        outputs_completed: completed,
+    })
+}
+
+impl ConstrainedStep {
+    pub fn markdown(&self) -> String {
+        format!(
+            "{}: {} timed decode steps of {} rows, each row generating under the schema \
+             ({} outputs completed): {:.2} ms against {:.2} ms unmasked ({:.3}×), medians of \
+             steps taken in turn\n",
+            self.model,
+            self.steps,
+            self.batch,
+            self.outputs_completed,
+            self.constrained_ms_median,
+            self.unconstrained_ms_median,
+            self.constrained_ms_median / self.unconstrained_ms_median,
+        )
     }
 }
 

@@ -12,7 +12,6 @@ mod request;
 mod vocabulary;
 
 pub use format::{FormatError, OutputFormat};
-pub(crate) use request::GrammarFilter;
 pub use request::RequestGrammar;
 pub use vocabulary::Vocabulary;
 #[cfg(test)]

@@ -160,9 +160,19 @@ fn catch_up(m: &mut VocabularyMatcher, committed: &[u8]) -> Result<(), String> {
 
 /// A request's grammar as one model's step sees it.
 #[derive(Debug)]
-pub(crate) struct GrammarFilter {
-    pub grammar: Arc<RequestGrammar>,
-    pub model: ModelIdx,
+struct GrammarFilter {
+    grammar: Arc<RequestGrammar>,
+    model: ModelIdx,
+}
+
+impl RequestGrammar {
+    /// What model `model`'s step masks this request's row by.
+    pub fn filter(self: &Arc<Self>, model: ModelIdx) -> Arc<dyn TokenFilter> {
+        Arc::new(GrammarFilter {
+            grammar: self.clone(),
+            model,
+        })
+    }
 }
 
 impl TokenFilter for GrammarFilter {

@@ -13,9 +13,8 @@ use super::request::{
     TokenLogprobs,
 };
 use crate::config::ExecutionMode;
-use crate::constraint::GrammarFilter;
 use crate::engine::kv::{KvStore, BLOCK_TOKENS};
-use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput, TokenFilter};
+use crate::engine::{SeqId, SeqWork, StepExecutor, StepOutput};
 use crate::policy::{ModelIdx, Route, SharedPolicy, StepView};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -493,12 +492,11 @@ impl<C: Clone> ModelScheduler<C> {
                     needs.top_k = needs.top_k.max(top).max(1);
                 }
                 // Only a row that samples needs its grammar's mask.
-                let filter = r.grammar.as_ref().filter(|_| row.completes).map(|grammar| {
-                    Arc::new(GrammarFilter {
-                        grammar: grammar.clone(),
-                        model: self.model,
-                    }) as Arc<dyn TokenFilter>
-                });
+                let filter = r
+                    .grammar
+                    .as_ref()
+                    .filter(|_| row.completes)
+                    .map(|grammar| grammar.filter(self.model));
                 SeqWork {
                     seq: self.seqs[&r.rid()],
                     tokens: r.state.tokens[from..from + row.tokens].to_vec(),
