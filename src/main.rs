@@ -699,12 +699,7 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             batch,
             &settings,
         )?;
-        if args.json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            print!("{}", report.markdown());
-        }
-        return Ok(());
+        return print_report(args.json, &report, |r| r.markdown());
     }
     if let Some(other) = &args.concurrent_with {
         let other = with_overrides(pick_model(&config, Some(other))?);
@@ -716,12 +711,7 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             ],
             &settings,
         )?;
-        if args.json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            print!("{}", report.markdown());
-        }
-        return Ok(());
+        return print_report(args.json, &report, |r| r.markdown());
     }
     let weights = serde_json::to_value(model.weights)?;
     let weights = weights.as_str().unwrap_or("stored");
@@ -732,10 +722,19 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         load_peak_rss_mib,
         &settings,
     )?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+    print_report(args.json, &report, |r| r.markdown())
+}
+
+/// A report as one JSON line (`--json`) or as Markdown.
+fn print_report<R: serde::Serialize>(
+    json: bool,
+    report: &R,
+    markdown: impl FnOnce(&R) -> String,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
     } else {
-        print!("{}", report.markdown());
+        print!("{}", markdown(report));
     }
     Ok(())
 }
