@@ -2,8 +2,8 @@
 # Side-by-side engine comparison with llama.cpp on the same GGUF file and thread count. The
 # machines are shared and noisy, so the two engines alternate for ROUNDS rounds in one run and
 # the table reports per-round ratios and their median.
-# Not part of CI: it builds llama-cpp-python from PyPI into .venv-llama (several minutes once),
-# with the build flags pinned below (AMX off: it crashes in these VMs).
+# Not part of CI: it builds llama-cpp-python from PyPI into .venv-llama (several minutes once,
+# scripts/llama-cpp-venv.sh, AMX off: it crashes in these VMs).
 #
 #   bash scripts/bench-llama-cpp.sh [threads=2] [model=smollm2-135m] [rounds=3] [file]
 # `file`: a GGUF file to run instead of the model's own, or a llama.cpp preset (q4_k_m,
@@ -16,34 +16,14 @@ THREADS="${1:-2}"
 MODEL="${2:-smollm2-135m}"
 ROUNDS="${3:-3}"
 FILE="${4:-}"
-LLAMA_CPP_VERSION="0.3.36"
-GGUF_PY_VERSION="0.17.1"
-
-# Pinned build: the instruction sets this CPU has, never AMX, no -march=native.
-flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-flags+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-has() { grep -qw "$1" /proc/cpuinfo; }
-if has avx512f && has avx512bw && has avx512vl; then flags+=" -DGGML_AVX512=ON"; fi
-if has avx512_vnni; then flags+=" -DGGML_AVX512_VNNI=ON"; fi
-if has avx512_bf16; then flags+=" -DGGML_AVX512_BF16=ON"; fi
-stamp="llama-cpp-python==${LLAMA_CPP_VERSION} gguf==${GGUF_PY_VERSION} ${flags}"
-
 bash scripts/fetch-model.sh >/dev/null
-if [ "$(cat .venv-llama/build-flags 2>/dev/null)" != "$stamp" ] \
-    || ! .venv-llama/bin/python -c "import llama_cpp" 2>/dev/null; then
-    rm -rf .venv-llama
-    python3 -m venv .venv-llama
-    CMAKE_ARGS="$flags" .venv-llama/bin/pip install --quiet --disable-pip-version-check \
-        --no-binary llama-cpp-python "llama-cpp-python==${LLAMA_CPP_VERSION}" \
-        "gguf==${GGUF_PY_VERSION}"
-    echo "$stamp" > .venv-llama/build-flags
-fi
+source scripts/llama-cpp-venv.sh
 cargo build --release --quiet
 
 config="config/default.toml"
 gguf=$(awk -v m="$MODEL" '/^name = /{n=$3} /^path = /{if (n=="\""m"\"") {gsub(/"/,"",$3); print $3; exit}}' "$config")
 
-.venv-llama/bin/python - "$gguf" "$THREADS" "$MODEL" "$ROUNDS" "$config" "$FILE" "$stamp" <<'PY'
+.venv-llama/bin/python - "$gguf" "$THREADS" "$MODEL" "$ROUNDS" "$config" "$FILE" "$LLAMA_CPP_BUILD" <<'PY'
 import collections, ctypes, json, os, statistics, subprocess, sys
 import llama_cpp
 from llama_cpp import llama_cpp as capi

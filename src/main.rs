@@ -179,8 +179,12 @@ struct GenerateArgs {
     #[command(flatten)]
     config: ConfigArg,
     /// A policy name, or a model name (served alone); the config's default policy if absent.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model")]
     policy: Option<String>,
+    /// One model served alone: one of the config's, or a model fetched by name
+    /// (`smollm2-135m`, `gemma3-270m`) when the config has none of that name.
+    #[arg(long)]
+    model: Option<String>,
     /// Execution mode; the config's if absent.
     #[arg(long)]
     mode: Option<ExecutionMode>,
@@ -456,10 +460,12 @@ enum ModelsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Fetch the shipped checkpoint(s) the config names, when missing.
+    /// Fetch models by name (`smollm2-135m`, `gemma3-270m`) into models/, or without names
+    /// the known checkpoints the config names; files already there are kept.
     Fetch {
         #[command(flatten)]
         config: ConfigArg,
+        names: Vec<String>,
     },
 }
 
@@ -497,8 +503,8 @@ fn main() {
         Command::Tune(args) => run_tune(args),
         Command::Router(RouterCommand::Collect(args)) => run_router_collect(args),
         Command::Router(RouterCommand::Train(args)) => run_router_train(args),
-        Command::Models(ModelsCommand::Fetch { config }) => {
-            load_config(&config).and_then(|c| fetch::ensure_models_present(&c))
+        Command::Models(ModelsCommand::Fetch { config, names }) => {
+            run_models_fetch(&config, &names)
         }
     };
     if let Err(e) = result {
@@ -509,6 +515,41 @@ fn main() {
 
 fn load_config(arg: &ConfigArg) -> anyhow::Result<Config> {
     Ok(Config::load(&arg.config)?)
+}
+
+fn run_models_fetch(config: &ConfigArg, names: &[String]) -> anyhow::Result<()> {
+    if names.is_empty() {
+        return load_config(config).and_then(|c| fetch::ensure_models_present(&c));
+    }
+    let known = names
+        .iter()
+        .map(|name| fetch::KnownModel::by_name(name))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for model in known {
+        let path = model.default_path();
+        model.fetch_to(&path)?;
+        println!("{}: {}", model.name, path.display());
+    }
+    Ok(())
+}
+
+/// The config and policy that serve model `name` alone: the config's model of that name, or
+/// else a known checkpoint fetched into models/ and run with the defaults.
+fn model_alone(arg: &ConfigArg, name: &str) -> anyhow::Result<(Config, String)> {
+    let config = load_config(arg)?;
+    if config.models.iter().any(|m| m.name == name) {
+        fetch::ensure_models_present(&config)?;
+        return Ok((config, name.to_string()));
+    }
+    let known = fetch::KnownModel::by_name(name)
+        .with_context(|| format!("{} has no model `{name}`", arg.config.display()))?;
+    let path = known.default_path();
+    known.fetch_to(&path)?;
+    let entry = format!(
+        "[[models]]\nname = {name:?}\npath = {:?}\n",
+        path.display().to_string()
+    );
+    Ok((Config::parse(&entry)?, name.to_string()))
 }
 
 /// Loads the config and fetches the shipped checkpoint when missing.
@@ -590,7 +631,13 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         anyhow::bail!("--top-p must be in (0, 1]");
     }
-    let config = ready_config(&args.config)?;
+    let (config, policy) = match &args.model {
+        Some(name) => {
+            let (config, policy) = model_alone(&args.config, name)?;
+            (config, Some(policy))
+        }
+        None => (ready_config(&args.config)?, args.policy.clone()),
+    };
     let prompt = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(file)) => std::fs::read_to_string(file)
@@ -607,7 +654,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         };
         let request = GenerateRequest {
             prompt: tokenizer.encode(&text)?,
-            policy: args.policy.clone(),
+            policy,
             max_tokens: args.max_tokens,
             sampling: SamplingParams {
                 temperature: args.temperature,

@@ -86,6 +86,7 @@ fn candle_reference_logits(path: &std::path::Path, arch: Arch, tokens: &[u32]) -
         Arch::Qwen3 => Model::Qwen3(
             quantized_qwen3::ModelWeights::from_gguf(content, &mut file, &dev).unwrap(),
         ),
+        Arch::Gemma3 => unreachable!("candle_gemma3_logits"),
     };
     tokens
         .iter()
@@ -124,6 +125,79 @@ fn gguf_forward_matches_candle_transformers_for_every_family() {
             assert!(diff < 1e-2, "{arch:?} position {pos}: max |Δlogit| {diff}");
         }
     }
+}
+
+/// candle-transformers' `gemma3` (the transformers port, unquantized: its `quantized_gemma3`
+/// gates with SiLU where Gemma uses GELU) over the tiny model's Hugging Face tensors, one token
+/// at a time: its decode steps keep the last `sliding_window` positions in a rotating cache,
+/// the window transformers and llama.cpp define (its prefill mask keeps one more, and its
+/// prefill cannot append a multi-token value tensor on the CPU).
+fn candle_gemma3_logits(spec: &TinySpec, tokens: &[u32]) -> Vec<Vec<f32>> {
+    use candle_transformers::models::gemma3;
+    let config: gemma3::Config = serde_json::from_value(serde_json::json!({
+        "attention_bias": false,
+        "head_dim": spec.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn,
+        "num_attention_heads": spec.heads,
+        "num_hidden_layers": spec.layers,
+        "num_key_value_heads": spec.kv_heads,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": common::GEMMA_ROPE_THETA,
+        "rope_local_base_freq": common::GEMMA_LOCAL_ROPE_THETA,
+        "vocab_size": spec.vocab(),
+        "final_logit_softcapping": null,
+        "attn_logit_softcapping": null,
+        "query_pre_attn_scalar": spec.head_dim,
+        "sliding_window": common::GEMMA_WINDOW,
+        "sliding_window_pattern": common::GEMMA_GLOBAL_EVERY,
+        "max_position_embeddings": 512,
+    }))
+    .unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(
+        common::tiny_weights(spec),
+        candle_core::DType::F32,
+        &Device::Cpu,
+    );
+    let mut model = gemma3::Model::new(false, &config, vb).unwrap();
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(pos, &t)| {
+            let x = Tensor::new(&[[t]], &Device::Cpu).unwrap();
+            let logits = model.forward(&x, pos).unwrap();
+            logits.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        })
+        .collect()
+}
+
+/// Gemma 3's departures (√hidden embedding scale, (1 + w) norms, post-norms, QK-norm, GeGLU,
+/// sliding-window layers with their own rope base between global ones) against the
+/// transformers port, past the window: a forward pass without any one of them misses by
+/// tenths.
+#[test]
+fn gemma3_forward_matches_candle_transformers_past_the_sliding_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Arch::Gemma3);
+    let path = common::write_gguf(&dir.path().join("gemma3.gguf"), &spec, GgmlDType::F32);
+    let tokens = prompt(24, 1);
+    let ours = logits_per_position(&mut load(&path), 1, &tokens);
+    let reference = candle_gemma3_logits(&spec, &tokens);
+    for (pos, (a, b)) in ours.iter().zip(&reference).enumerate() {
+        let diff = max_abs_diff(a, b);
+        let largest = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        // f16 KV (candle's f32) as above, on logits up to ~`largest`.
+        assert!(
+            diff < 1e-2 * largest.max(1.0),
+            "position {pos}: max |Δlogit| {diff} (largest {largest})"
+        );
+    }
+    // Prefill in one step takes the same window as token by token.
+    let mut executor = load(&path);
+    let whole = executor.step(&[work(2, tokens.clone())]).unwrap().remove(0);
+    let diff = max_abs_diff(&whole.logits, ours.last().unwrap());
+    assert!(diff < 1e-4, "prefill against decode: {diff}");
 }
 
 #[test]

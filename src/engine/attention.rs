@@ -17,6 +17,7 @@
 
 use super::ops;
 use half::{f16, slice::HalfFloatSliceExt};
+use std::ops::Range;
 
 /// Positions are padded to a multiple of this (the widest register, 16 f32 lanes).
 const POSITION_PAD: usize = 16;
@@ -117,21 +118,22 @@ pub unsafe trait KvRows {
     /// Value row `p`.
     fn value_at(&self, p: usize) -> *const Self::Element;
 
-    /// For each query row `(queries, positions, out)`, each query head g of `queries`
-    /// (`[heads, head_dim]`): `out_g += softmax(scale · q_g · Kᵀ) · V` over the first
-    /// `positions` rows, on the registers of `vectors`. One score buffer serves every row.
+    /// For each query row `(queries, visible, out)`, each query head g of `queries`
+    /// (`[heads, head_dim]`): `out_g += softmax(scale · q_g · Kᵀ) · V` over the rows in
+    /// `visible` (a causal row sees `0..=its position`; a sliding window's row a suffix of
+    /// that), on the registers of `vectors`. One score buffer serves every row.
     fn attend<'a>(
         &self,
         vectors: Vectors,
         scale: f32,
-        rows: impl IntoIterator<Item = (&'a [f32], usize, &'a mut [f32])>,
+        rows: impl IntoIterator<Item = (&'a [f32], Range<usize>, &'a mut [f32])>,
     ) where
         Self: Sized,
     {
         let hd = self.head_dim();
         let mut scores = vec![0f32; MAX_HEADS_PER_PASS * self.padded()];
-        for (queries, positions, out) in rows {
-            assert!(positions <= self.positions());
+        for (queries, visible, out) in rows {
+            assert!(visible.start < visible.end && visible.end <= self.positions());
             assert_eq!(queries.len(), out.len());
             for (queries, out) in queries
                 .chunks(MAX_HEADS_PER_PASS * hd)
@@ -140,7 +142,7 @@ pub unsafe trait KvRows {
                 let pass = Pass {
                     rows: self,
                     queries,
-                    positions,
+                    visible: visible.clone(),
                     scores: &mut scores,
                     out,
                 };
@@ -304,7 +306,7 @@ impl Vectors {
 struct Pass<'a, S> {
     rows: &'a S,
     queries: &'a [f32],
-    positions: usize,
+    visible: Range<usize>,
     scores: &'a mut [f32],
     out: &'a mut [f32],
 }
@@ -329,33 +331,35 @@ impl<S: KvRows> Pass<'_, S> {
         let Self {
             rows,
             queries,
-            positions,
+            visible,
             scores,
             out,
         } = self;
         let (hd, padded) = (rows.head_dim(), rows.padded());
         let heads = queries.len() / hd;
         let scores = &mut scores[..heads * padded];
+        // Scores from the register run holding the first visible position.
+        let from = visible.start / POSITION_PAD * POSITION_PAD;
         // Accumulators per head and register set: `H · B` of them, plus `B` keys and one
         // query, fit 32 registers (AVX-512) or 16 (AVX2, where four per head would spill).
         match (heads, V::LANES >= 16) {
-            (1, _) => scores_for::<V, 1, 4, S>(queries, rows, hd, padded, scores),
-            (2, true) => scores_for::<V, 2, 4, S>(queries, rows, hd, padded, scores),
-            (3, true) => scores_for::<V, 3, 4, S>(queries, rows, hd, padded, scores),
-            (4, true) => scores_for::<V, 4, 3, S>(queries, rows, hd, padded, scores),
-            (2, false) => scores_for::<V, 2, 3, S>(queries, rows, hd, padded, scores),
-            (3, false) => scores_for::<V, 3, 2, S>(queries, rows, hd, padded, scores),
-            (4, false) => scores_for::<V, 4, 2, S>(queries, rows, hd, padded, scores),
+            (1, _) => scores_for::<V, 1, 4, S>(queries, rows, hd, (from, padded), scores),
+            (2, true) => scores_for::<V, 2, 4, S>(queries, rows, hd, (from, padded), scores),
+            (3, true) => scores_for::<V, 3, 4, S>(queries, rows, hd, (from, padded), scores),
+            (4, true) => scores_for::<V, 4, 3, S>(queries, rows, hd, (from, padded), scores),
+            (2, false) => scores_for::<V, 2, 3, S>(queries, rows, hd, (from, padded), scores),
+            (3, false) => scores_for::<V, 3, 2, S>(queries, rows, hd, (from, padded), scores),
+            (4, false) => scores_for::<V, 4, 2, S>(queries, rows, hd, (from, padded), scores),
             _ => unreachable!("passes hold 1..={MAX_HEADS_PER_PASS} heads"),
         }
         for head in scores.chunks_exact_mut(padded) {
-            let head = &mut head[..positions];
+            let head = &mut head[visible.clone()];
             for s in head.iter_mut() {
                 *s *= scale;
             }
             ops::softmax_in_place(head);
         }
-        let values = (rows, positions);
+        let values = (rows, visible);
         // `H · R` accumulators, `R` value registers and one weight, as for the scores.
         match (heads, V::LANES >= 16) {
             (_, true) if hd.is_multiple_of(4 * V::LANES) => match heads {
@@ -497,7 +501,7 @@ impl Widen for f16 {
     }
 }
 
-/// `scores[h · padded + j] = Σ_d q_h[d] · key_d[j]` for all `padded` positions,
+/// `scores[h · padded + j] = Σ_d q_h[d] · key_d[j]` for the positions `from..padded`,
 /// `B` registers of positions per pass over the head dimension (`H · B` independent chains
 /// hide the FMA latency), single registers at the end.
 ///
@@ -508,13 +512,13 @@ unsafe fn scores_for<V: Register, const H: usize, const B: usize, S: KvRows>(
     queries: &[f32],
     keys: &S,
     hd: usize,
-    padded: usize,
+    (from, padded): (usize, usize),
     scores: &mut [f32],
 ) {
     assert!(queries.len() == H * hd && keys.head_dim() == hd && keys.padded() == padded);
     assert!(scores.len() == H * padded && padded.is_multiple_of(V::LANES));
-    assert!(POSITION_PAD.is_multiple_of(V::LANES));
-    let mut first = 0;
+    assert!(POSITION_PAD.is_multiple_of(V::LANES) && from.is_multiple_of(POSITION_PAD));
+    let mut first = from;
     while first < padded {
         if padded - first >= B * V::LANES {
             score_registers::<V, H, B, S>(queries, keys, hd, padded, first, scores);
@@ -572,17 +576,17 @@ unsafe fn score_registers<V: Register, const H: usize, const B: usize, S: KvRows
 unsafe fn weighted_values<V: Register, const H: usize, const R: usize, S: KvRows>(
     weights: &[f32],
     padded: usize,
-    (values, positions): (&S, usize),
+    (values, visible): (&S, Range<usize>),
     out: &mut [f32],
 ) {
     let hd = out.len() / H;
     assert!(out.len() == H * hd && hd.is_multiple_of(R * V::LANES) && values.head_dim() == hd);
-    assert!(weights.len() == H * padded && positions <= values.positions());
+    assert!(weights.len() == H * padded && visible.end <= values.positions());
     for first in (0..hd).step_by(R * V::LANES) {
         let mut acc: [[V; R]; H] = std::array::from_fn(|h| {
             std::array::from_fn(|r| V::load(out.as_ptr().add(h * hd + first + r * V::LANES)))
         });
-        for j in 0..positions {
+        for j in visible.clone() {
             let row = values.value_at(j).add(first);
             let row: [V; R] = std::array::from_fn(|r| S::Element::widen(row.add(r * V::LANES)));
             for h in 0..H {
@@ -604,14 +608,14 @@ unsafe fn weighted_values<V: Register, const H: usize, const R: usize, S: KvRows
 fn weighted_values_any<S: KvRows>(
     weights: &[f32],
     padded: usize,
-    (values, positions): (&S, usize),
+    (values, visible): (&S, Range<usize>),
     out: &mut [f32],
 ) {
     let heads = weights.len() / padded;
     let hd = out.len() / heads;
-    assert!(values.head_dim() == hd && positions <= values.positions());
+    assert!(values.head_dim() == hd && visible.end <= values.positions());
     for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-        for j in 0..positions {
+        for j in visible.clone() {
             let w = weights[h * padded + j];
             let row = values.value_at(j);
             for (e, o) in out.iter_mut().enumerate() {
@@ -633,18 +637,18 @@ mod tests {
         keys: &[Vec<f32>],
         values: &[Vec<f32>],
         queries: &[f32],
-        positions: usize,
+        visible: Range<usize>,
         scale: f32,
     ) -> Vec<f32> {
         let hd = keys[0].len();
         let mut out = vec![0.25f32; queries.len()];
         for (q, out) in queries.chunks(hd).zip(out.chunks_mut(hd)) {
-            let mut scores: Vec<f32> = keys[..positions]
+            let mut scores: Vec<f32> = keys[visible.clone()]
                 .iter()
                 .map(|k| q.iter().zip(k).fold(0f32, |acc, (q, k)| q.mul_add(*k, acc)) * scale)
                 .collect();
             ops::softmax_in_place(&mut scores);
-            for (w, v) in scores.iter().zip(values) {
+            for (w, v) in scores.iter().zip(&values[visible.start..]) {
                 for (o, v) in out.iter_mut().zip(v) {
                     *o = w.mul_add(*v, *o);
                 }
@@ -656,7 +660,8 @@ mod tests {
     /// KV rows in cache blocks of 24 rows (two; only widened) and of 16 rows (three; widened
     /// and read in place), stride 80 with the head at offset 8, head sizes on the blocked path
     /// (64) and off it (12), 1 to 6 query heads (passes of 4 and a rest), position counts
-    /// around the block sizes: every build equals the definitions bit for bit.
+    /// around the block sizes, causal and sliding-window rows: every build equals the
+    /// definitions bit for bit.
     #[test]
     fn blocked_attention_equals_the_one_element_definitions() {
         let (stride, offset) = (80, 8);
@@ -688,11 +693,14 @@ mod tests {
                     let widened = HeadRows::widen(blocks(), (stride, offset), hd, positions);
                     let in_place = HeadBlocks::new(blocks(), (stride, offset), hd, positions);
                     assert_eq!(in_place.is_some(), block_rows == 16, "{block_rows} rows");
-                    for heads in 1..=6 {
+                    // Causal rows, and sliding windows starting inside and at a register run.
+                    let starts = [0, positions / 2, 16.min(positions - 1)];
+                    for (heads, start) in (1..=6).flat_map(|h| starts.map(|s| (h, s))) {
+                        let visible = start..positions;
                         let queries: Vec<f32> =
                             (0..heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
-                        let want = reference(&keys, &values, &queries, positions, 0.125);
-                        let case = format!("hd {hd}, {positions} positions, {heads} heads");
+                        let want = reference(&keys, &values, &queries, visible.clone(), 0.125);
+                        let case = format!("hd {hd}, positions {visible:?}, {heads} heads");
                         for vectors in Vectors::available() {
                             let attend = |rows: &dyn Fn(&mut [f32])| {
                                 let mut out = vec![0.25f32; queries.len()];
@@ -700,7 +708,11 @@ mod tests {
                                 out
                             };
                             let out = attend(&|out| {
-                                widened.attend(vectors, 0.125, [(&queries[..], positions, out)])
+                                widened.attend(
+                                    vectors,
+                                    0.125,
+                                    [(&queries[..], visible.clone(), out)],
+                                )
                             });
                             assert_eq!(out, want, "{vectors:?} widened: {case}");
                             if let Some(in_place) = &in_place {
@@ -708,7 +720,7 @@ mod tests {
                                     in_place.attend(
                                         vectors,
                                         0.125,
-                                        [(&queries[..], positions, out)],
+                                        [(&queries[..], visible.clone(), out)],
                                     )
                                 });
                                 assert_eq!(out, want, "{vectors:?} in place: {case}");

@@ -29,6 +29,31 @@ pub struct ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Gemma 3's chat template (as its instruction-tuned checkpoints ship it, less the leading
+/// `{{ bos_token }}`: encoding adds the BOS): a system message is prefixed to the first user
+/// turn, the assistant's role is `model`. Pretrained Gemma files (Gemma 3 270M's
+/// `gemma3-270m`) ship no template; their tokens for turns exist all the same.
+const GEMMA_TEMPLATE: &str = "\
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = '' -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}";
+
 impl ChatTemplate {
     pub fn new(source: &str, bos_token: String, eos_token: String) -> EngineResult<Self> {
         let mut env = Environment::new();
@@ -48,11 +73,19 @@ impl ChatTemplate {
         })
     }
 
-    /// The template a model ships, with its own bos/eos strings.
+    /// The template a model ships (Gemma's turns where a Gemma file ships none), with its own
+    /// bos/eos strings.
     pub fn for_model(tokenizer: &ModelTokenizer) -> EngineResult<Self> {
+        let gemma_turns = || {
+            ["<start_of_turn>", "<end_of_turn>"]
+                .iter()
+                .all(|t| tokenizer.inner.token_to_id(t).is_some())
+                .then_some(GEMMA_TEMPLATE)
+        };
         let source = tokenizer
             .chat_template
             .as_deref()
+            .or_else(gemma_turns)
             .ok_or_else(|| EngineError::ChatTemplate("the model ships no chat template".into()))?;
         let text = |id: Option<u32>| {
             id.and_then(|id| tokenizer.token_text(id))

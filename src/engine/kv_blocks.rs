@@ -153,8 +153,8 @@ mod tests {
             let in_place = HeadBlocks::new(blocks(), at, hd, positions).expect("in place");
             let widened = HeadRows::widen(blocks(), at, hd, positions);
             let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
-            in_place.attend(vectors, 0.25, [(&query[..], positions, &mut a[..])]);
-            widened.attend(vectors, 0.25, [(&query[..], positions, &mut b[..])]);
+            in_place.attend(vectors, 0.25, [(&query[..], 0..positions, &mut a[..])]);
+            widened.attend(vectors, 0.25, [(&query[..], 0..positions, &mut b[..])]);
             assert_eq!(a, b, "head {head}");
             assert!(a.iter().any(|&v| v != 0.0));
         }

@@ -1,4 +1,4 @@
-//! The llama / qwen2 / qwen3 decoder, batched over ragged sequences. All rows of a step go
+//! The llama / qwen2 / qwen3 / gemma3 decoder, batched over ragged sequences. All rows of a step go
 //! through each weight matmul together (`[rows, hidden] × Wᵀ`); attention runs per sequence
 //! over its own KV. Sequences at different lengths share a step without padding.
 
@@ -16,6 +16,8 @@ pub struct LlamaModel {
     pub weights: ModelWeights,
     /// Inverse rope frequency per pair of head dimensions.
     inv_freq: Vec<f32>,
+    /// The sliding-window layers' own frequencies (Gemma 3's local rope base).
+    local_inv_freq: Option<Vec<f32>>,
     /// The integer matmul kernel; the fastest this CPU has unless chosen.
     pub kernel: Kernel,
     /// Attention's registers (its floats are the same on every set), the widest here.
@@ -48,6 +50,8 @@ struct StepShape {
     segments: Vec<Segment>,
     tables: Vec<Vec<BlockId>>,
     rotations: Rotations,
+    /// The sliding-window layers' rotations, where their rope base differs.
+    local_rotations: Option<Rotations>,
 }
 
 /// Each row's rope angles' cosines and sines, `[rows, head_dim / 2]` each: the same for
@@ -71,12 +75,13 @@ impl Rotations {
     }
 }
 
-/// Inverse rope frequency per pair of head dimensions (with Llama 3.1's divisors if any).
-pub fn inverse_frequencies(weights: &ModelWeights) -> Vec<f32> {
+/// Inverse rope frequency per pair of head dimensions for rope base `theta` (with Llama 3.1's
+/// divisors if any).
+pub fn inverse_frequencies(weights: &ModelWeights, theta: f32) -> Vec<f32> {
     let hp = &weights.hp;
     (0..hp.head_dim / 2)
         .map(|i| {
-            let base = 1f32 / hp.rope_theta.powf((2 * i) as f32 / hp.head_dim as f32);
+            let base = 1f32 / theta.powf((2 * i) as f32 / hp.head_dim as f32);
             match &weights.rope_freq_divisors {
                 Some(div) => base / div[i],
                 None => base,
@@ -162,10 +167,15 @@ pub fn plan_step(
 
 impl LlamaModel {
     pub fn new(weights: ModelWeights) -> Self {
-        let inv_freq = inverse_frequencies(&weights);
+        let inv_freq = inverse_frequencies(&weights, weights.hp.rope_theta);
+        let local_inv_freq = weights
+            .hp
+            .gemma
+            .map(|g| inverse_frequencies(&weights, g.local_rope_theta));
         Self {
             weights,
             inv_freq,
+            local_inv_freq,
             kernel: Kernel::detect(),
             vectors: Vectors::detect(),
         }
@@ -193,13 +203,17 @@ impl LlamaModel {
             batch.iter().map(|&(seq, t)| (seq, t.len())).collect();
         kv.reserve(&reservations)?;
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
+        let positions = || {
+            segments
+                .iter()
+                .flat_map(|s| s.first_position..s.first_position + s.rows)
+        };
         let shape = StepShape {
-            rotations: Rotations::new(
-                segments
-                    .iter()
-                    .flat_map(|s| s.first_position..s.first_position + s.rows),
-                &self.inv_freq,
-            ),
+            rotations: Rotations::new(positions(), &self.inv_freq),
+            local_rotations: self
+                .local_inv_freq
+                .as_ref()
+                .map(|f| Rotations::new(positions(), f)),
             tables: batch
                 .iter()
                 .map(|&(seq, _)| kv.table(seq).to_vec())
@@ -240,8 +254,15 @@ impl LlamaModel {
         embedding_row(&self.weights.embedding, self.weights.hp.hidden, token)
     }
 
+    /// The input rows of `tokens` (Gemma scales them by √hidden, as it was trained).
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        embed_tokens(&self.weights.embedding, self.weights.hp.hidden, tokens)
+        let hp = &self.weights.hp;
+        let mut x = embed_tokens(&self.weights.embedding, hp.hidden, tokens);
+        if hp.gemma.is_some() {
+            let scale = (hp.hidden as f32).sqrt();
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        x
     }
 
     fn layer(
@@ -268,8 +289,12 @@ impl LlamaModel {
         if let Some(norm) = &w.k_norm {
             ops::rms_norm_rows_in_place(&mut k, norm, hp.rms_eps);
         }
-        self.rope(&mut q, &shape.rotations);
-        self.rope(&mut k, &shape.rotations);
+        let rotations = match (&w.window, &shape.local_rotations) {
+            (Some(_), Some(local)) => local,
+            _ => &shape.rotations,
+        };
+        self.rope(&mut q, rotations);
+        self.rope(&mut k, rotations);
         let (segments, tables) = (&shape.segments, &shape.tables);
 
         let kv_dim = self.kv_dim();
@@ -282,20 +307,35 @@ impl LlamaModel {
                 data.write(block, layer_idx, slot, &k[span.clone()], &v[span]);
             }
         }
-        let attn = self.attention(layer_idx, &q, segments, tables, data);
-        add_rows(x, hp.hidden, &w.wo.matmul_with(self.kernel, &attn, rows));
+        let attn = self.attention(layer_idx, w.window, &q, segments, tables, data);
+        let attn = w.wo.matmul_with(self.kernel, &attn, rows);
+        add_rows(x, hp.hidden, &self.post_norm(attn, &w.post_attn_norm));
 
         let h = rms_norm_rows(x, hp.hidden, &w.ffn_norm, hp.rms_eps);
         let [mut gate, up] = QWeight::matmul_each_with(self.kernel, [&w.w_gate, &w.w_up], &h, rows);
         let ffn = gate.len() / rows;
+        let gated = if hp.gemma.is_some() {
+            ops::gelu_tanh_mul_in_place
+        } else {
+            ops::silu_mul_in_place
+        };
         parallel::for_each_row_run(&mut gate, ffn, |first, run| {
-            ops::silu_mul_in_place(run, &up[first * ffn..first * ffn + run.len()])
+            gated(run, &up[first * ffn..first * ffn + run.len()])
         });
-        add_rows(
-            x,
-            hp.hidden,
-            &w.w_down.matmul_with(self.kernel, &gate, rows),
-        );
+        let down = w.w_down.matmul_with(self.kernel, &gate, rows);
+        add_rows(x, hp.hidden, &self.post_norm(down, &w.post_ffn_norm));
+    }
+
+    /// A sublayer's output normed before its residual add where the model has such a norm
+    /// (Gemma 3), as it is otherwise.
+    fn post_norm(&self, mut out: Vec<f32>, norm: &Option<Vec<f32>>) -> Vec<f32> {
+        if let Some(norm) = norm {
+            let hidden = self.weights.hp.hidden;
+            parallel::for_each_row_run(&mut out, hidden, |_, run| {
+                ops::rms_norm_rows_in_place(run, norm, self.weights.hp.rms_eps)
+            });
+        }
+        out
     }
 
     /// Rotates every head of every row by its position.
@@ -325,13 +365,15 @@ impl LlamaModel {
         });
     }
 
-    /// Causal attention of each sequence's new rows over its whole KV, `[rows, heads * hd]`.
+    /// Causal attention of each sequence's new rows over its KV (the last `window` positions
+    /// of it, for a sliding-window layer), `[rows, heads * hd]`.
     /// A task (sequence, KV head, run of rows) serves its whole query group from that KV
     /// head's rows: read in place for one row, widened once for more (`attention`); per head
     /// the arithmetic is the same as alone.
     fn attention(
         &self,
         layer_idx: usize,
+        window: Option<usize>,
         q: &[f32],
         segments: &[Segment],
         tables: &[Vec<BlockId>],
@@ -376,11 +418,9 @@ impl LlamaModel {
                 .zip(out.chunks_exact_mut(group * hd))
                 .map(|(i, out)| {
                     let start = (seg.first_row + i) * q_dim + first_head * hd;
-                    (
-                        &q[start..start + group * hd],
-                        seg.first_position + i + 1,
-                        out,
-                    )
+                    let seen = seg.first_position + i + 1;
+                    let first_seen = window.map_or(0, |w| seen.saturating_sub(w));
+                    (&q[start..start + group * hd], first_seen..seen, out)
                 });
             // One row reads the cache in place; more share one widened copy.
             let in_place = (rows.len() == 1)

@@ -173,6 +173,17 @@ pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// GeGLU (Gemma): `gate <- gelu(gate) * up`, GELU by its tanh approximation as Gemma was
+/// trained (transformers' `gelu_pytorch_tanh`).
+pub fn gelu_tanh_mul_in_place(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let inner = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
 /// In-place softmax; leaves probabilities summing to one. Branch-free passes over eight
 /// lanes in a fixed order; the AVX2 build runs them as whole registers (same results).
 pub fn softmax_in_place(x: &mut [f32]) {

@@ -1,13 +1,19 @@
 //! Text <-> token ids: from a Hugging Face `tokenizer.json`, or rebuilt from the vocabulary
-//! embedded in a GGUF file (`tokenizer.ggml.*`) as a byte-level BPE `tokenizers::Tokenizer`.
+//! embedded in a GGUF file (`tokenizer.ggml.*`) as a `tokenizers::Tokenizer`: byte-level BPE
+//! (`gpt2`) or SentencePiece BPE with byte fallback (`llama`, as Gemma ships).
 
 use super::weights::{read_gguf, CheckpointFormat};
 use crate::error::{EngineError, EngineResult};
 use candle_core::quantized::gguf_file::{Content, Value};
 use std::collections::BTreeSet;
+use std::collections::HashMap;
 use std::path::Path;
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::replace::Replace;
 use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -20,6 +26,13 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 const TOKEN_TYPE_CONTROL: u32 = 3;
 /// GGUF token type of user-defined tokens: matched whole, but printed like text.
 const TOKEN_TYPE_USER_DEFINED: u32 = 4;
+/// GGUF token type of ordinary vocabulary pieces.
+const TOKEN_TYPE_NORMAL: u32 = 1;
+/// SentencePiece's visible space.
+const SPM_SPACE: &str = "\u{2581}";
+/// Ends of a chat turn that a model's metadata may not name as its end of sequence, though
+/// generation ends there (llama.cpp treats them as end-of-generation tokens too).
+const END_OF_TURN_TOKENS: [&str; 1] = ["<end_of_turn>"];
 
 const REGEX_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const REGEX_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -77,52 +90,63 @@ impl ModelTokenizer {
         let string = |key: &str| md.get(key).and_then(|v| v.to_string().ok()).cloned();
         let id = |key: &str| md.get(key).and_then(value_as_u32);
         let kind = string("tokenizer.ggml.model").unwrap_or_default();
-        if kind != "gpt2" {
-            return Err(EngineError::Tokenizer(format!(
-                "GGUF tokenizer model `{kind}` is not supported (only byte-level BPE, `gpt2`)"
-            )));
-        }
         let tokens = string_array(md.get("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens")?;
-        let merges = string_array(md.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges")?
-            .into_iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| tok_err(format!("invalid merge `{m}`")))
-            })
-            .collect::<EngineResult<Vec<_>>>()?;
         let types: Vec<u32> = match md.get("tokenizer.ggml.token_type") {
             Some(v) => v
                 .to_vec()
                 .map_err(tok_err)?
                 .iter()
-                .map(|t| value_as_u32(t).unwrap_or(1))
+                .map(|t| value_as_u32(t).unwrap_or(TOKEN_TYPE_NORMAL))
                 .collect(),
-            None => vec![1; tokens.len()],
+            None => vec![TOKEN_TYPE_NORMAL; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = Tokenizer::new(bpe);
-        let pre = string("tokenizer.ggml.pre").unwrap_or_else(|| "gpt2".into());
-        inner.with_pre_tokenizer(Some(pre_tokenizer(&pre)?));
-        if pre == "qwen2" {
-            inner.with_normalizer(Some(NFC)).map_err(tok_err)?;
-        }
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let mut inner = match kind.as_str() {
+            "gpt2" => {
+                let merges =
+                    string_array(md.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges")?;
+                let pre = string("tokenizer.ggml.pre").unwrap_or_else(|| "gpt2".into());
+                byte_level_bpe(&tokens, merges, &pre)?
+            }
+            "llama" => {
+                let scores = float_array(md.get("tokenizer.ggml.scores"), "tokenizer.ggml.scores")?;
+                if md
+                    .get("tokenizer.ggml.add_space_prefix")
+                    .and_then(|v| v.to_bool().ok())
+                    .unwrap_or(true)
+                {
+                    return Err(EngineError::Tokenizer(
+                        "SentencePiece with a space prefix (`tokenizer.ggml.add_space_prefix`) \
+                         is not supported"
+                            .into(),
+                    ));
+                }
+                sentencepiece_bpe(&tokens, &scores, &types)?
+            }
+            other => {
+                return Err(EngineError::Tokenizer(format!(
+                    "GGUF tokenizer model `{other}` is not supported (byte-level BPE `gpt2`, \
+                     SentencePiece BPE `llama`)"
+                )))
+            }
+        };
         let added: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
             .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
-            .map(|(text, &t)| AddedToken::from(text.clone(), t == TOKEN_TYPE_CONTROL))
+            .map(|(text, &t)| {
+                // SentencePiece matches them in the raw text, before spaces become `▁`.
+                AddedToken::from(text.clone(), t == TOKEN_TYPE_CONTROL)
+                    .normalized(kind != "llama" && t != TOKEN_TYPE_CONTROL)
+            })
             .collect();
         inner.add_special_tokens(added).map_err(tok_err)?;
+        let mut eos: BTreeSet<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        eos.extend(
+            END_OF_TURN_TOKENS
+                .iter()
+                .filter_map(|t| tokens.iter().position(|x| x == t))
+                .map(|i| i as u32),
+        );
         let add_bos = md
             .get("tokenizer.ggml.add_bos_token")
             .and_then(|v| v.to_bool().ok())
@@ -130,7 +154,7 @@ impl ModelTokenizer {
         Ok(Self {
             inner,
             bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            eos,
             add_bos,
             chat_template: string("tokenizer.chat_template"),
         })
@@ -187,6 +211,94 @@ impl ModelTokenizer {
     }
 }
 
+/// GPT-2 style byte-level BPE from its vocabulary and ranked merges.
+fn byte_level_bpe(tokens: &[String], merges: Vec<String>, pre: &str) -> EngineResult<Tokenizer> {
+    let merges = merges
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| tok_err(format!("invalid merge `{m}`")))
+        })
+        .collect::<EngineResult<Vec<_>>>()?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
+    if pre == "qwen2" {
+        inner.with_normalizer(Some(NFC)).map_err(tok_err)?;
+    }
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
+}
+
+/// SentencePiece BPE as llama.cpp runs it (`llm_tokenizer_spm`): spaces become `▁`, then
+/// adjacent pieces merge, the pair whose union has the highest score first (the leftmost on a
+/// tie), and characters no piece covers fall back to `<0xXX>` byte tokens. A BPE whose merges
+/// are every split of a piece into two pieces, ranked by the union's score, merges the same
+/// way (transformers' `SentencePieceExtractor` builds Gemma's `tokenizer.json` so).
+fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[u32]) -> EngineResult<Tokenizer> {
+    if scores.len() != tokens.len() || types.len() != tokens.len() {
+        return Err(tok_err(format!(
+            "{} tokens but {} scores and {} types",
+            tokens.len(),
+            scores.len(),
+            types.len()
+        )));
+    }
+    let normal: HashMap<&str, u32> = tokens
+        .iter()
+        .zip(types)
+        .enumerate()
+        .filter(|(_, (_, &t))| t == TOKEN_TYPE_NORMAL)
+        .map(|(i, (text, _))| (text.as_str(), i as u32))
+        .collect();
+    // (union's score, left id, right id) per merge: the sort puts the best first, and a
+    // piece's own splits in id order (as the extractor does).
+    let mut ranked: Vec<(f32, u32, u32)> = Vec::new();
+    for (&piece, &id) in &normal {
+        for (split, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(split);
+            if let (Some(&l), Some(&r)) = (normal.get(left), normal.get(right)) {
+                ranked.push((scores[id as usize], l, r));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let merges = ranked
+        .into_iter()
+        .map(|(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone()))
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true);
+    if let Some(unk) = tokens.iter().find(|t| *t == "<unk>") {
+        builder = builder.unk_token(unk.clone()).fuse_unk(true);
+    }
+    let mut inner = Tokenizer::new(builder.build().map_err(tok_err)?);
+    inner
+        .with_normalizer(Some(Replace::new(" ", SPM_SPACE).map_err(tok_err)?))
+        .map_err(tok_err)?;
+    inner.with_decoder(Some(DecoderSequence::new(vec![
+        Replace::new(SPM_SPACE, " ").map_err(tok_err)?.into(),
+        ByteFallback::default().into(),
+        Fuse::default().into(),
+    ])));
+    Ok(inner)
+}
+
 /// The pre-tokenizer llama.cpp uses for a `tokenizer.ggml.pre` value.
 fn pre_tokenizer(pre: &str) -> EngineResult<PreTokenizerWrapper> {
     let split = |regex: &str| -> EngineResult<PreTokenizerWrapper> {
@@ -225,6 +337,14 @@ fn value_as_u32(v: &Value) -> Option<u32> {
         Value::I64(x) => u32::try_from(*x).ok(),
         _ => None,
     }
+}
+
+fn float_array(v: Option<&Value>, key: &str) -> EngineResult<Vec<f32>> {
+    let list = v
+        .ok_or_else(|| tok_err(format!("missing GGUF key `{key}`")))?
+        .to_vec()
+        .map_err(tok_err)?;
+    list.iter().map(|v| v.to_f32().map_err(tok_err)).collect()
 }
 
 fn string_array(v: Option<&Value>, key: &str) -> EngineResult<Vec<String>> {

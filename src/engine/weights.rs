@@ -20,6 +20,7 @@ pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma3,
 }
 
 impl Architecture {
@@ -28,6 +29,7 @@ impl Architecture {
             "llama" | "LlamaForCausalLM" => Ok(Self::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Ok(Self::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Ok(Self::Qwen3),
+            "gemma3" => Ok(Self::Gemma3),
             other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -51,6 +53,35 @@ pub struct Hyperparams {
     /// layout rotates the two halves of a head (`rotate_half`).
     pub rope_interleaved: bool,
     pub context: usize,
+    /// Gemma 3's departures from the llama layout; `None` for the llama family.
+    pub gemma: Option<GemmaParams>,
+}
+
+/// What Gemma 3 adds to a llama-style decoder: local layers that attend over a sliding
+/// window with their own rope base, global layers between them, and tanh-GELU gating.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemmaParams {
+    /// Positions a local layer attends over, its own included (llama.cpp's and transformers'
+    /// reading: position p sees p − window + 1 ..= p).
+    pub sliding_window: usize,
+    /// Every `global_every`-th layer (checkpoint index i with (i + 1) % global_every == 0)
+    /// attends over the whole context.
+    pub global_every: usize,
+    /// The local layers' rope base (`rope_theta` is the global layers').
+    pub local_rope_theta: f32,
+}
+
+impl GemmaParams {
+    /// Gemma 3's pattern and local rope base where a GGUF file omits them, as llama.cpp
+    /// assumes for `gemma3` (llama-model.cpp: `set_swa_pattern(6)`, `rope_freq_base_train_swa
+    /// = 10000`): files converted by llama.cpp carry neither key.
+    const DEFAULT_GLOBAL_EVERY: usize = 6;
+    const DEFAULT_LOCAL_ROPE_THETA: f32 = 10_000.0;
+
+    /// The window checkpoint layer `index` attends over; `None` for a global layer.
+    pub fn window_of(&self, index: usize) -> Option<usize> {
+        (!(index + 1).is_multiple_of(self.global_every)).then_some(self.sliding_window)
+    }
 }
 
 pub struct LayerWeights {
@@ -62,9 +93,14 @@ pub struct LayerWeights {
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
     pub bv: Option<Vec<f32>>,
-    /// Qwen3's per-head RMS norms of q and k.
+    /// Qwen3's and Gemma 3's per-head RMS norms of q and k.
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// Gemma 3's norms of the attention's and the MLP's outputs before their residual adds.
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
+    /// Positions this layer attends over (Gemma 3's local layers); `None`: all.
+    pub window: Option<usize>,
     pub ffn_norm: Vec<f32>,
     pub w_gate: QWeight,
     pub w_up: QWeight,
@@ -248,6 +284,10 @@ fn gguf_hyperparams(path: &Path, content: &gguf_file::Content) -> EngineResult<H
     };
     let hidden = int("embedding_length")?;
     let heads = int("attention.head_count")?;
+    let gemma = match arch {
+        Architecture::Gemma3 => Some(gguf_gemma_params(path, md, arch_name)?),
+        _ => None,
+    };
     let vocab = content
         .tensor_infos
         .get("token_embd.weight")
@@ -266,6 +306,81 @@ fn gguf_hyperparams(path: &Path, content: &gguf_file::Content) -> EngineResult<H
         rope_theta: float("rope.freq_base", 10_000.0),
         rope_interleaved: arch == Architecture::Llama,
         context: int("context_length").unwrap_or(4096),
+        gemma,
+    })
+}
+
+/// Gemma 3's window (required: a file without it cannot be run as trained), pattern and local
+/// rope base (Gemma 3's constants where absent, as llama.cpp reads the same files).
+fn gguf_gemma_params(
+    path: &Path,
+    md: &HashMap<String, gguf_file::Value>,
+    arch_name: &str,
+) -> EngineResult<GemmaParams> {
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let int = |k: &str| {
+        md.get(&key(k))
+            .and_then(|v| {
+                v.to_u32()
+                    .ok()
+                    .or_else(|| v.to_u64().ok().map(|v| v as u32))
+            })
+            .map(|v| v as usize)
+    };
+    let sliding_window = int("attention.sliding_window")
+        .filter(|&w| w > 0)
+        .ok_or_else(|| {
+            invalid(
+                path,
+                format!(
+                    "missing or zero `{}` (Gemma 3's local attention window)",
+                    key("attention.sliding_window")
+                ),
+            )
+        })?;
+    // llama.cpp's key names first, candle's after.
+    let pattern_key = [
+        "attention.sliding_window_pattern",
+        "attention.sliding_window_type",
+    ]
+    .into_iter()
+    .find(|k| md.contains_key(&key(k)));
+    let global_every = match pattern_key {
+        None => GemmaParams::DEFAULT_GLOBAL_EVERY,
+        Some(k) => int(k).filter(|&n| n > 0).ok_or_else(|| {
+            invalid(
+                path,
+                format!(
+                    "`{}` must be a positive integer (every n-th layer global)",
+                    key(k)
+                ),
+            )
+        })?,
+    };
+    let local_rope_theta = ["rope.freq_base_swa", "rope.local_freq_base"]
+        .into_iter()
+        .find_map(|k| md.get(&key(k)))
+        .map(|v| {
+            v.to_f32()
+                .map_err(|_| invalid(path, "the local rope base is not a float"))
+        })
+        .transpose()?
+        .unwrap_or(GemmaParams::DEFAULT_LOCAL_ROPE_THETA);
+    for unsupported in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if md.contains_key(&key(unsupported)) {
+            return Err(invalid(
+                path,
+                format!(
+                    "`{}` is set: logit soft-capping (Gemma 2) is not supported",
+                    key(unsupported)
+                ),
+            ));
+        }
+    }
+    Ok(GemmaParams {
+        sliding_window,
+        global_every,
+        local_rope_theta,
     })
 }
 
@@ -342,6 +457,12 @@ fn hf_hyperparams(dir: &Path) -> EngineResult<(Hyperparams, Option<Vec<f32>>)> {
         .or_else(|| cfg.architectures.first().cloned())
         .ok_or_else(|| invalid(&path, "neither `model_type` nor `architectures` is set"))?;
     let arch = Architecture::parse(&arch_name)?;
+    if arch == Architecture::Gemma3 {
+        return Err(invalid(
+            &path,
+            "Gemma 3 loads from GGUF only (convert with llama.cpp's convert_hf_to_gguf.py)",
+        ));
+    }
     let head_dim = cfg
         .head_dim
         .unwrap_or(cfg.hidden_size / cfg.num_attention_heads);
@@ -358,6 +479,7 @@ fn hf_hyperparams(dir: &Path) -> EngineResult<(Hyperparams, Option<Vec<f32>>)> {
         rope_theta: cfg.rope_theta,
         rope_interleaved: false,
         context: cfg.max_position_embeddings,
+        gemma: None,
     };
     let divisors = match &cfg.rope_scaling {
         Some(s) if s.rope_type.as_deref() == Some("llama3") => {
@@ -481,7 +603,17 @@ fn assemble(
     let mut layers = Vec::with_capacity(layer_ids.len());
     for &i in &layer_ids {
         let name = |t: &str| format!("blk.{i}.{t}");
-        let qk_norm = hp.arch == Architecture::Qwen3;
+        let qk_norm = matches!(hp.arch, Architecture::Qwen3 | Architecture::Gemma3);
+        let gemma = hp.gemma.is_some();
+        let mut norm_if = |wanted: bool, tensor: &str, len: usize| {
+            wanted
+                .then(|| loader.vector(&name(tensor), len))
+                .transpose()
+        };
+        let q_norm = norm_if(qk_norm, "attn_q_norm.weight", hp.head_dim)?;
+        let k_norm = norm_if(qk_norm, "attn_k_norm.weight", hp.head_dim)?;
+        let post_attn_norm = norm_if(gemma, "post_attention_norm.weight", hp.hidden)?;
+        let post_ffn_norm = norm_if(gemma, "post_ffw_norm.weight", hp.hidden)?;
         layers.push(LayerWeights {
             attn_norm: loader.vector(&name("attn_norm.weight"), hp.hidden)?,
             wq: loader.weight(&name("attn_q.weight"), q_dim, hp.hidden)?,
@@ -491,16 +623,11 @@ fn assemble(
             bq: loader.optional_vector(&name("attn_q.bias"), q_dim)?,
             bk: loader.optional_vector(&name("attn_k.bias"), kv_dim)?,
             bv: loader.optional_vector(&name("attn_v.bias"), kv_dim)?,
-            q_norm: if qk_norm {
-                Some(loader.vector(&name("attn_q_norm.weight"), hp.head_dim)?)
-            } else {
-                None
-            },
-            k_norm: if qk_norm {
-                Some(loader.vector(&name("attn_k_norm.weight"), hp.head_dim)?)
-            } else {
-                None
-            },
+            q_norm,
+            k_norm,
+            post_attn_norm,
+            post_ffn_norm,
+            window: hp.gemma.and_then(|g| g.window_of(i)),
             ffn_norm: loader.vector(&name("ffn_norm.weight"), hp.hidden)?,
             w_gate: loader.weight(&name("ffn_gate.weight"), hp.intermediate, hp.hidden)?,
             w_up: loader.weight(&name("ffn_up.weight"), hp.intermediate, hp.hidden)?,

@@ -90,6 +90,7 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma3,
 }
 
 impl Arch {
@@ -98,9 +99,17 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 }
+
+/// Tiny Gemma 3's local attention window and layer pattern (layers 1, 3, … global): a
+/// 24-token prompt runs past the window on every other layer.
+pub const GEMMA_WINDOW: usize = 5;
+pub const GEMMA_GLOBAL_EVERY: usize = 2;
+pub const GEMMA_ROPE_THETA: f32 = 1_000_000.0;
+pub const GEMMA_LOCAL_ROPE_THETA: f32 = 10_000.0;
 
 /// Largest logit difference, relative to the largest logit, between two correct executors
 /// of a tiny model (`TinySpec::new`) whose matmuls round activations to 8 bits (Q8_0, Q4_0,
@@ -135,8 +144,12 @@ impl TinySpec {
             hidden: 64,
             heads: 4,
             kv_heads: 2,
-            // Qwen3 checkpoints decouple head_dim from hidden / heads; exercise that.
-            head_dim: if arch == Arch::Qwen3 { 32 } else { 16 },
+            // Qwen3 and Gemma 3 checkpoints decouple head_dim from hidden / heads; exercise that.
+            head_dim: if matches!(arch, Arch::Qwen3 | Arch::Gemma3) {
+                32
+            } else {
+                16
+            },
             ffn: 128,
             layers: 3,
             tied: arch != Arch::Qwen2,
@@ -233,7 +246,17 @@ pub fn tiny_weights(spec: &TinySpec) -> HashMap<String, Tensor> {
             put("self_attn.k_proj.bias", rng.tensor(&[kv_dim], 0.1, 0.0));
             put("self_attn.v_proj.bias", rng.tensor(&[kv_dim], 0.1, 0.0));
         }
-        if spec.arch == Arch::Qwen3 {
+        if spec.arch == Arch::Gemma3 {
+            put(
+                "pre_feedforward_layernorm.weight",
+                rng.tensor(&[h], 0.1, 0.0),
+            );
+            put(
+                "post_feedforward_layernorm.weight",
+                rng.tensor(&[h], 0.1, 0.0),
+            );
+        }
+        if matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3) {
             put(
                 "self_attn.q_norm.weight",
                 rng.tensor(&[spec.head_dim], 0.1, 1.0),
@@ -304,7 +327,7 @@ fn swap_head_row_axes(t: &Tensor, heads: usize, outer: usize) -> Tensor {
         .unwrap()
 }
 
-fn gguf_name(hf: &str) -> String {
+fn gguf_name(hf: &str, arch: Arch) -> String {
     match hf {
         "model.embed_tokens.weight" => return "token_embd.weight".into(),
         "model.norm.weight" => return "output_norm.weight".into(),
@@ -316,7 +339,10 @@ fn gguf_name(hf: &str) -> String {
     let (base, suffix) = name.rsplit_once('.').unwrap();
     let base = match base {
         "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" if arch == Arch::Gemma3 => "post_attention_norm",
         "post_attention_layernorm" => "ffn_norm",
+        "pre_feedforward_layernorm" => "ffn_norm",
+        "post_feedforward_layernorm" => "post_ffw_norm",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
@@ -346,15 +372,24 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> PathBuf {
         if spec.arch == Arch::Llama && hf.ends_with("k_proj.weight") {
             t = permute_for_gguf(&t, spec.kv_heads);
         }
+        // Gemma's norms scale by (1 + w); llama.cpp's conversion stores 1 + w.
+        if spec.arch == Arch::Gemma3 && hf.ends_with("norm.weight") {
+            t = (t + 1.0).unwrap();
+        }
         let q = if t.rank() == 2 { dtype } else { GgmlDType::F32 };
-        tensors.push((gguf_name(&hf), QTensor::quantize(&t, q).unwrap()));
+        tensors.push((gguf_name(&hf, spec.arch), QTensor::quantize(&t, q).unwrap()));
     }
     let (tokens, merges) = tiny_vocab();
     let types: Vec<Value> = (0..tokens.len())
         .map(|i| Value::I32(if i < SPECIAL_TOKENS.len() { 3 } else { 1 }))
         .collect();
     let u32v = |v: usize| Value::U32(v as u32);
-    let metadata: Vec<(String, Value)> = vec![
+    let rope_theta = if spec.arch == Arch::Gemma3 {
+        GEMMA_ROPE_THETA
+    } else {
+        10000.0
+    };
+    let mut metadata: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         // candle-transformers' qwen3 reference computes in F16 unless told F32 (0).
         ("general.dtype".into(), Value::U32(0)),
@@ -376,7 +411,7 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> PathBuf {
             format!("{arch}.attention.layer_norm_rms_epsilon"),
             Value::F32(1e-5),
         ),
-        (format!("{arch}.rope.freq_base"), Value::F32(10000.0)),
+        (format!("{arch}.rope.freq_base"), Value::F32(rope_theta)),
         (format!("{arch}.context_length"), u32v(512)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String("smollm".into())),
@@ -401,6 +436,22 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> PathBuf {
             Value::String(CHAT_TEMPLATE.into()),
         ),
     ];
+    if spec.arch == Arch::Gemma3 {
+        metadata.extend([
+            (
+                format!("{arch}.attention.sliding_window"),
+                u32v(GEMMA_WINDOW),
+            ),
+            (
+                format!("{arch}.attention.sliding_window_pattern"),
+                u32v(GEMMA_GLOBAL_EVERY),
+            ),
+            (
+                format!("{arch}.rope.freq_base_swa"),
+                Value::F32(GEMMA_LOCAL_ROPE_THETA),
+            ),
+        ]);
+    }
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut file = std::fs::File::create(path).unwrap();
@@ -461,17 +512,25 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
 /// Path of the real SmolLM2 GGUF, or `None` (with a message) when it has not been fetched.
 /// With `TOKENROUTER_REQUIRE_MODEL=1` (set by CI) a missing model is a failure instead.
 pub fn real_model() -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    fetched_model("SmolLM2-135M-Instruct.Q4_1.gguf", "scripts/fetch-model.sh")
+}
+
+/// Path of the real Gemma 3 270M GGUF, as `real_model`.
+pub fn real_gemma3() -> Option<PathBuf> {
+    fetched_model("gemma-3-270m-q4_k_m.gguf", "scripts/fetch-gemma3.sh")
+}
+
+fn fetched_model(file: &str, script: &str) -> Option<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(file);
     if path.exists() {
         return Some(path);
     }
     if std::env::var("TOKENROUTER_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
-        panic!("{} is missing; run scripts/fetch-model.sh", path.display());
+        panic!("{} is missing; run {script}", path.display());
     }
-    eprintln!(
-        "skipping: {} not fetched (scripts/fetch-model.sh)",
-        path.display()
-    );
+    eprintln!("skipping: {} not fetched ({script})", path.display());
     None
 }
 
@@ -576,7 +635,7 @@ pub fn hf_copy_of_gguf(gguf: &Path, dir: &Path) -> PathBuf {
     let mut tensors = HashMap::new();
     for hf in names {
         let stored = content
-            .tensor(&mut file, &gguf_name(&hf), &Device::Cpu)
+            .tensor(&mut file, &gguf_name(&hf, Arch::Llama), &Device::Cpu)
             .unwrap();
         let dtype = match stored.dtype() {
             GgmlDType::F16 => candle_core::DType::F16,

@@ -134,6 +134,12 @@ impl CudaExecutor {
 
     fn new(name: &str, weights: ModelWeights, gpu: Gpu, kv_tokens: usize) -> EngineResult<Self> {
         let hp = weights.hp.clone();
+        if hp.gemma.is_some() {
+            return Err(EngineError::Gpu(format!(
+                "model `{name}`: Gemma 3 runs on the CPU only so far (its sliding-window \
+                 attention, post-norms and GeGLU have no GPU kernels yet); set device = \"cpu\""
+            )));
+        }
         if hp.head_dim > MAX_HEAD_DIM
             || !hp.head_dim.is_multiple_of(2)
             || !hp.heads.is_multiple_of(hp.kv_heads)
@@ -166,7 +172,7 @@ impl CudaExecutor {
         let kv = KvStore::new(kv_tokens);
         let paged = PagedKv::new(&gpu, layers.len(), kv_dim, kv.capacity_blocks())?;
         let model = DeviceModel {
-            inv_freq: gpu.upload(&inverse_frequencies(&weights))?,
+            inv_freq: gpu.upload(&inverse_frequencies(&weights, hp.rope_theta))?,
             final_norm: gpu.upload(&weights.final_norm)?,
             embedding: weights.embedding,
             hp,
