@@ -2,6 +2,7 @@
 //! factory that compiles grammars against it (built once per tokenizer: ~0.1 s for 49k
 //! tokens).
 
+use crate::engine::spelling::Spelling;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::error::{EngineError, EngineResult};
 use llguidance::api::ParserLimits;
@@ -32,11 +33,8 @@ fn invalid(e: impl std::fmt::Display) -> EngineError {
 impl Vocabulary {
     /// Built from the tokenizer's own token table (byte-level BPE or byte fallback).
     pub fn new(tokenizer: &ModelTokenizer, limits: ParserLimits) -> EngineResult<Arc<Self>> {
-        let json: serde_json::Value =
-            serde_json::from_str(&tokenizer.inner.to_string(false).map_err(invalid)?)
-                .map_err(invalid)?;
-        let words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(invalid)?;
-        Self::from_words(&words, tokenizer.eos.clone(), limits)
+        let spelling = Spelling::new(tokenizer)?;
+        Self::from_words(spelling.words(), tokenizer.eos.clone(), limits)
     }
 
     /// From each token's bytes (a special token's start with 0xFF) and the end ids.

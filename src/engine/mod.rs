@@ -13,7 +13,9 @@ pub(crate) mod parallel;
 pub(crate) mod pool;
 pub(crate) mod qmatmul;
 pub mod sampling;
+pub mod shared_text;
 pub(crate) mod simulated;
+pub mod spelling;
 pub mod tokenizer;
 pub mod weights;
 
