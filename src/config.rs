@@ -554,6 +554,10 @@ pub struct ModelConfig {
     /// Where `tokenrouter serve` runs it; `remote` needs `[cluster]` and a worker hosting it.
     #[serde(default)]
     pub placement: Placement,
+    /// A Jinja chat template file to render conversations with instead of the one the model
+    /// ships: a completion prompt for a pretrained model (`config/templates/`).
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
 }
 
 /// A model's configured step cost: L(b) = a + c·b ms for b decode rows, and what each
@@ -1131,6 +1135,36 @@ pub fn parse_layer_ranges(spec: &str) -> Result<Vec<usize>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every config the repository ships parses and validates, and the files its models'
+    /// `chat_template` entries name exist.
+    #[test]
+    fn shipped_configs_are_valid() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut checked = 0;
+        for entry in std::fs::read_dir(root.join("config")).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "toml") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let config = Config::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for template in config
+                .models
+                .iter()
+                .filter_map(|m| m.chat_template.as_ref())
+            {
+                assert!(
+                    root.join(template).exists(),
+                    "{}: {}",
+                    path.display(),
+                    template.display()
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked >= 5, "{checked} configs");
+    }
 
     #[test]
     fn layer_ranges_parse_and_reject_bad_specs() {

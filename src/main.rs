@@ -801,7 +801,7 @@ fn run_bench_pair(args: BenchPairArgs) -> anyhow::Result<()> {
             .map(|n| pick_model(&config, Some(n)))
             .collect::<anyhow::Result<_>>()?
     };
-    let tokenizer = ModelTokenizer::load(&reference_cfg.path)?;
+    let tokenizer = ModelTokenizer::load_for(reference_cfg)?;
     let mut reference = load_executor(reference_cfg)?;
     let mut reports = Vec::new();
     for candidate in candidates {
@@ -837,7 +837,7 @@ fn run_bench_parity(args: BenchParityArgs) -> anyhow::Result<()> {
         device,
         ..model.clone()
     };
-    let tokenizer = ModelTokenizer::load(&model.path)?;
+    let tokenizer = ModelTokenizer::load_for(model)?;
     let mut cpu = Executor::load(&ModelConfig {
         name: match args.reference_kernel {
             Some(kernel) => format!("{}@cpu ({} kernel)", model.name, kernel.name()),

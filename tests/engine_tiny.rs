@@ -615,3 +615,48 @@ fn a_cuda_device_without_the_cuda_feature_is_a_clear_error() {
         "{err}"
     );
 }
+
+/// A model entry's `chat_template` replaces the template the model ships: the shipped
+/// completion prompt for pretrained models renders a conversation as questions and answers.
+#[test]
+fn a_configured_chat_template_replaces_the_models_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::write_gguf(
+        &dir.path().join("m.gguf"),
+        &TinySpec::new(Arch::Llama),
+        GgmlDType::F32,
+    );
+    let mut config = common::model_config("tiny", &path);
+    let own = ModelTokenizer::load_for(&config).unwrap();
+    assert_eq!(own.chat_template.as_deref(), Some(common::CHAT_TEMPLATE));
+    config.chat_template = Some(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/templates/completion.jinja"),
+    );
+    let tokenizer = ModelTokenizer::load_for(&config).unwrap();
+    let messages = [
+        ChatMessage {
+            role: "system".into(),
+            content: "Answer in one word.".into(),
+        },
+        ChatMessage::user("What is the capital of Japan? "),
+        ChatMessage {
+            role: "assistant".into(),
+            content: "Tokyo".into(),
+        },
+        ChatMessage::user("And of France?"),
+    ];
+    let rendered = ChatTemplate::for_model(&tokenizer)
+        .unwrap()
+        .render(&messages, true)
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "Answer in one word.\n\nQuestion: What is the capital of Japan?\nAnswer: Tokyo\n\n\
+         Question: And of France?\nAnswer:"
+    );
+    config.chat_template = Some(dir.path().join("missing.jinja"));
+    assert!(matches!(
+        ModelTokenizer::load_for(&config),
+        Err(EngineError::MissingFile(p)) if p.ends_with("missing.jinja")
+    ));
+}

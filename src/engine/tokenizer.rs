@@ -3,6 +3,7 @@
 //! (`gpt2`) or SentencePiece BPE with byte fallback (`llama`, as Gemma ships).
 
 use super::weights::{read_gguf, CheckpointFormat};
+use crate::config::ModelConfig;
 use crate::error::{EngineError, EngineResult};
 use candle_core::quantized::gguf_file::{Content, Value};
 use std::collections::BTreeSet;
@@ -60,6 +61,26 @@ impl ModelTokenizer {
             }
             CheckpointFormat::HuggingFace(dir) => Self::from_hf_dir(&dir),
         }
+    }
+
+    /// A model entry's tokenizer, with the chat template its config puts in place of the
+    /// model's own.
+    pub fn load_for(config: &ModelConfig) -> EngineResult<Self> {
+        let mut tokenizer = Self::load(&config.path)?;
+        if let Some(path) = &config.chat_template {
+            let template = std::fs::read_to_string(path).map_err(|source| {
+                if source.kind() == std::io::ErrorKind::NotFound {
+                    EngineError::MissingFile(path.clone())
+                } else {
+                    EngineError::Io {
+                        path: path.clone(),
+                        source,
+                    }
+                }
+            })?;
+            tokenizer.chat_template = Some(template);
+        }
+        Ok(tokenizer)
     }
 
     /// Encodes text; special-token markup in `text` (e.g. from a chat template) maps to its ids.

@@ -320,7 +320,7 @@ impl Runtime {
             .iter()
             .find(|m| m.latency_profile_ms.is_none())
         {
-            Some(m) => Some(Arc::new(ModelTokenizer::load(&m.path)?)),
+            Some(m) => Some(Arc::new(ModelTokenizer::load_for(m)?)),
             None => None,
         };
         let eos = Arc::new(

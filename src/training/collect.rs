@@ -186,7 +186,7 @@ pub fn collect(
     slm: &ModelConfig,
     settings: &CollectSettings,
 ) -> anyhow::Result<Traces> {
-    let tokenizer = ModelTokenizer::load(&llm.path)?;
+    let tokenizer = ModelTokenizer::load_for(llm)?;
     let all = answers::scorable(&answers::questions().map_err(anyhow::Error::msg)?);
     let mut chosen = Vec::new();
     for split in [Split::Train, Split::Heldout] {

@@ -505,6 +505,7 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         fault_every_steps: 0,
         step_profile: None,
         step_token_budget: None,
+        chat_template: None,
         placement: Default::default(),
     }
 }
