@@ -14,6 +14,7 @@ use tokenrouter::config::{
 };
 use tokenrouter::constraint::{OutputFormat, Vocabulary};
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
+use tokenrouter::engine::spelling::Spelling;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{load_executor, weights, Executor, SamplingParams};
 use tokenrouter::runtime::{GenerateRequest, Runtime};
@@ -736,7 +737,11 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json_schema {
         let format = read_json_schema(path)?;
         let tokenizer = ModelTokenizer::load(&model.path)?;
-        let vocabulary = Vocabulary::new(&tokenizer, llguidance::api::ParserLimits::default())?;
+        let vocabulary = Vocabulary::new(
+            &Spelling::new(&tokenizer)?,
+            tokenizer.eos.clone(),
+            llguidance::api::ParserLimits::default(),
+        )?;
         let batch = settings.batches.iter().copied().max().unwrap_or(1);
         let report = bench::engine::constrained_step(
             executor.as_mut(),

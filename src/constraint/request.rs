@@ -335,8 +335,10 @@ mod tests {
             "string" => value
                 .as_str()
                 .is_some_and(|s| s.chars().count() as i64 <= number("maxLength")),
+            // JSON's `-0` is an integer (zero) that serde_json reads as a float.
             "integer" => value
                 .as_i64()
+                .or_else(|| value.as_f64().filter(|f| *f == 0.0).map(|_| 0))
                 .is_some_and(|n| (number("minimum")..=number("maximum")).contains(&n)),
             "boolean" => value.is_boolean(),
             "array" => value.as_array().is_some_and(|items| {

@@ -3,7 +3,6 @@
 //! tokens).
 
 use crate::engine::spelling::Spelling;
-use crate::engine::tokenizer::ModelTokenizer;
 use crate::error::{EngineError, EngineResult};
 use llguidance::api::ParserLimits;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
@@ -31,10 +30,14 @@ fn invalid(e: impl std::fmt::Display) -> EngineError {
 }
 
 impl Vocabulary {
-    /// Built from the tokenizer's own token table (byte-level BPE or byte fallback).
-    pub fn new(tokenizer: &ModelTokenizer, limits: ParserLimits) -> EngineResult<Arc<Self>> {
-        let spelling = Spelling::new(tokenizer)?;
-        Self::from_words(spelling.words(), tokenizer.eos.clone(), limits)
+    /// Built from a vocabulary's spelling (byte-level BPE or byte fallback) and the ids that
+    /// end a generation.
+    pub fn new(
+        spelling: &Spelling,
+        eos: BTreeSet<u32>,
+        limits: ParserLimits,
+    ) -> EngineResult<Arc<Self>> {
+        Self::from_words(spelling.words(), eos, limits)
     }
 
     /// From each token's bytes (a special token's start with 0xFF) and the end ids.

@@ -13,6 +13,7 @@ use super::text::TextStream;
 use super::tools::{self, CallText, ToolCallPiece, ToolCalling};
 use super::{read_json, AppState};
 use crate::constraint::{OutputFormat, RequestGrammar};
+use crate::engine::spelling::Spelling;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::{
     EngineTiming, FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestHandle,
@@ -300,7 +301,7 @@ async fn run(
     let progress = Progress::new(
         handle,
         slot,
-        tokenizer,
+        state.runtime.spelling()?,
         generation.stop,
         reply.model_names.len(),
         generation
@@ -319,15 +320,14 @@ async fn run(
     }
 }
 
-/// Token ids to text with the served model's tokenizer (special tokens skipped).
-type Decoder = Box<dyn Fn(&[u32]) -> String + Send>;
-
 /// What one request produced so far, as text.
 struct Progress {
     handle: RequestHandle,
     /// Held until the response ends (or the client leaves).
     _slot: Slot,
-    text: TextStream<Decoder>,
+    text: TextStream,
+    /// What each token spells.
+    spelling: Arc<Spelling>,
     tokens_per_model: Vec<usize>,
     /// Changes of writing model between consecutive tokens: the handoff count when a stop
     /// sequence ends the request before the runtime reports its own.
@@ -340,7 +340,7 @@ struct Progress {
     /// The call being written, when the reply must be a tool call.
     call: Option<CallText>,
     launched: Instant,
-    /// Turning token ids into text.
+    /// Turning tokens into text.
     detokenize: Duration,
     /// Set when the runtime reports the end: where the request's time in the models went,
     /// and the wall time from launch to that report.
@@ -363,16 +363,16 @@ impl Progress {
     fn new(
         handle: RequestHandle,
         slot: Slot,
-        tokenizer: Arc<ModelTokenizer>,
+        spelling: Arc<Spelling>,
         stop: Vec<String>,
         models: usize,
         call: Option<CallText>,
     ) -> Self {
-        let decode: Decoder = Box::new(move |ids| tokenizer.decode(ids, true).unwrap_or_default());
         Self {
             handle,
             _slot: slot,
-            text: TextStream::new(decode, stop),
+            text: TextStream::new(stop),
+            spelling,
             tokens_per_model: vec![0; models],
             model_changes: 0,
             last_model: None,
@@ -407,7 +407,7 @@ impl Progress {
                     *n += 1;
                 }
                 let started = Instant::now();
-                let delta = self.text.push(id);
+                let delta = self.text.push(self.spelling.bytes(id));
                 self.detokenize += started.elapsed();
                 self.sent_chars += delta.chars().count();
                 if self.text.stopped() {

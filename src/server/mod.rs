@@ -49,6 +49,10 @@ impl AppState {
         config: &Config,
         metrics: PrometheusHandle,
     ) -> Self {
+        // Built now rather than by the first request (the tokenizer's spelling of its tokens).
+        if let Err(e) = runtime.spelling() {
+            tracing::debug!("no token spelling: {e}");
+        }
         let chat_template = runtime
             .tokenizer()
             .map_err(|e| e.to_string())

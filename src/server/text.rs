@@ -1,16 +1,14 @@
-//! Token ids to text deltas for streaming: incremental detokenization (a token may end in
-//! the middle of a UTF-8 character, and a tokenizer may change earlier text when more ids
-//! follow), and stop sequences (text that could still become a stop sequence is held back).
+//! Tokens' bytes to text deltas for streaming: a token may end in the middle of a UTF-8
+//! character (its rest is held back until a later token completes it), and stop sequences
+//! (text that could still become a stop sequence is held back). Working on each token's bytes
+//! in its own vocabulary, not on ids, it reads a generation whichever models wrote it.
 
-/// Ids decoded behind the newest one, so context-dependent decoders see their context.
-const DECODE_CONTEXT: usize = 5;
+use crate::engine::shared_text::incomplete_tail;
 
-pub struct TextStream<D> {
-    decode: D,
-    ids: Vec<u32>,
-    /// `ids[prefix..read]` is decoded context already turned into text.
-    prefix: usize,
-    read: usize,
+pub struct TextStream {
+    /// Bytes of a character not yet complete.
+    pending: Vec<u8>,
+    tokens: usize,
     /// All text produced so far; `text[..emitted]` went to the client.
     text: String,
     emitted: usize,
@@ -18,13 +16,11 @@ pub struct TextStream<D> {
     stopped: bool,
 }
 
-impl<D: Fn(&[u32]) -> String> TextStream<D> {
-    pub fn new(decode: D, stop: Vec<String>) -> Self {
+impl TextStream {
+    pub fn new(stop: Vec<String>) -> Self {
         Self {
-            decode,
-            ids: Vec::new(),
-            prefix: 0,
-            read: 0,
+            pending: Vec::new(),
+            tokens: 0,
             text: String::new(),
             emitted: 0,
             stop,
@@ -32,38 +28,27 @@ impl<D: Fn(&[u32]) -> String> TextStream<D> {
         }
     }
 
-    /// Adds a token; returns the text that can be sent now. After a stop sequence matched,
-    /// `stopped()` is true and further tokens add nothing.
-    pub fn push(&mut self, id: u32) -> String {
+    /// Adds a token's bytes; returns the text that can be sent now. After a stop sequence
+    /// matched, `stopped()` is true and further tokens add nothing.
+    pub fn push(&mut self, bytes: &[u8]) -> String {
         if self.stopped {
             return String::new();
         }
-        self.ids.push(id);
-        let before = (self.decode)(&self.ids[self.prefix..self.read]);
-        let after = (self.decode)(&self.ids[self.prefix..]);
-        if after.ends_with('\u{FFFD}') {
-            return String::new();
-        }
-        if let Some(new) = after
-            .get(before.len()..)
-            .filter(|_| after.starts_with(&before))
-        {
-            self.text.push_str(new);
-            self.read = self.ids.len();
-            self.prefix = self.read.saturating_sub(DECODE_CONTEXT);
-        }
+        self.tokens += 1;
+        self.pending.extend_from_slice(bytes);
+        let whole = self.pending.len() - incomplete_tail(&self.pending);
+        // Bytes that can never form a character read as U+FFFD, as a tokenizer decodes them.
+        self.text
+            .push_str(&String::from_utf8_lossy(&self.pending[..whole]));
+        self.pending.drain(..whole);
         self.release(false)
     }
 
     /// The text still held back, at the end of the generation.
     pub fn finish(&mut self) -> String {
-        if !self.stopped && self.read < self.ids.len() {
-            let before = (self.decode)(&self.ids[self.prefix..self.read]);
-            let after = (self.decode)(&self.ids[self.prefix..]);
-            if let Some(new) = after.get(before.len()..) {
-                self.text.push_str(new);
-            }
-            self.read = self.ids.len();
+        if !self.stopped && !self.pending.is_empty() {
+            self.text.push_str(&String::from_utf8_lossy(&self.pending));
+            self.pending.clear();
         }
         self.release(true)
     }
@@ -74,7 +59,7 @@ impl<D: Fn(&[u32]) -> String> TextStream<D> {
 
     /// Tokens consumed (the ones past a stop sequence are not).
     pub fn tokens(&self) -> usize {
-        self.ids.len()
+        self.tokens
     }
 
     fn release(&mut self, at_end: bool) -> String {
@@ -124,14 +109,10 @@ impl<D: Fn(&[u32]) -> String> TextStream<D> {
 mod tests {
     use super::*;
 
-    /// A toy byte-level decoder: ids are bytes; incomplete UTF-8 decodes to U+FFFD.
-    fn bytes(ids: &[u32]) -> String {
-        String::from_utf8_lossy(&ids.iter().map(|&b| b as u8).collect::<Vec<_>>()).into_owned()
-    }
-
+    /// The text fed one byte per token.
     fn run(text: &str, stop: &[&str]) -> (Vec<String>, String, bool) {
-        let mut stream = TextStream::new(bytes, stop.iter().map(|s| s.to_string()).collect());
-        let mut deltas: Vec<String> = text.bytes().map(|b| stream.push(b as u32)).collect();
+        let mut stream = TextStream::new(stop.iter().map(|s| s.to_string()).collect());
+        let mut deltas: Vec<String> = text.bytes().map(|b| stream.push(&[b])).collect();
         deltas.push(stream.finish());
         let joined = deltas.concat();
         (deltas, joined, stream.stopped())
@@ -170,5 +151,14 @@ mod tests {
         let (_, joined, stopped) = run("one two three", &["three", "two"]);
         assert_eq!(joined, "one ");
         assert!(stopped);
+    }
+
+    #[test]
+    fn a_character_left_unfinished_or_broken_reads_as_a_replacement() {
+        let mut stream = TextStream::new(Vec::new());
+        assert_eq!(stream.push(b"a\xff"), "a\u{FFFD}");
+        assert_eq!(stream.push(&"東".as_bytes()[..2]), "");
+        assert_eq!(stream.finish(), "\u{FFFD}");
+        assert_eq!(stream.tokens(), 2);
     }
 }
