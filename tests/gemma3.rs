@@ -225,3 +225,44 @@ fn the_cli_serves_a_model_by_name_with_its_chat_template() {
         "{stderr}"
     );
 }
+
+/// Over HTTP, whole and streamed: the text of llama.cpp's greedy tokens for the multilingual
+/// prompt (CJK, byte-fallback pieces), read from each token's bytes.
+#[test]
+fn the_server_returns_and_streams_the_text_of_those_tokens() {
+    let Some(path) = common::real_gemma3() else {
+        return;
+    };
+    let tok = ModelTokenizer::load(&path).unwrap();
+    let case = fixture()
+        .generations
+        .into_iter()
+        .find(|g| g.prompt.contains('🎉'))
+        .unwrap();
+    let expected = tok.decode(&case.tokens, true).unwrap();
+    let server = common::server::Server::start(std::path::Path::new("config/gemma3.toml"));
+    let body = serde_json::json!({
+        "model": "gemma3-270m",
+        "prompt": case.prompt,
+        "max_tokens": case.tokens.len(),
+        "temperature": 0,
+    });
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["choices"][0]["text"], expected.as_str());
+    assert_eq!(whole["usage"]["completion_tokens"], case.tokens.len());
+    let mut streamed = body;
+    streamed["stream"] = true.into();
+    let text: String = common::server::stream_events(&server, "/v1/completions", &streamed)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| {
+            let chunk: serde_json::Value = serde_json::from_str(e).unwrap();
+            chunk["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(text, expected);
+}

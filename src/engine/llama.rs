@@ -1,6 +1,6 @@
-//! The llama / qwen2 / qwen3 / gemma3 decoder, batched over ragged sequences. All rows of a step go
-//! through each weight matmul together (`[rows, hidden] × Wᵀ`); attention runs per sequence
-//! over its own KV. Sequences at different lengths share a step without padding.
+//! The llama / qwen2 / qwen3 / gemma3 decoder, batched over ragged sequences. All rows of a
+//! step go through each weight matmul together (`[rows, hidden] × Wᵀ`); attention runs per
+//! sequence over its own KV. Sequences at different lengths share a step without padding.
 
 use super::attention::{HeadBlocks, HeadRows, KvRows, Vectors};
 use super::kv::{BlockId, KvStore, SeqId, BLOCK_TOKENS};
