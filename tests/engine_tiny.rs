@@ -1,6 +1,7 @@
 //! Engine tests on tiny random-weight models written by the test itself.
 
 mod common;
+use common::work;
 
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{Device, Tensor};
@@ -10,16 +11,6 @@ use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{Executor, Kernel, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use tokenrouter::error::EngineError;
-
-fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
-    SeqWork {
-        seq: SeqId(seq),
-        tokens,
-        sampling: SamplingParams::greedy(),
-        needs: Needs::default(),
-        filter: None,
-    }
-}
 
 fn load(path: &std::path::Path) -> Executor {
     Executor::load(&common::model_config("tiny", path)).unwrap()

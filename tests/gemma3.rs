@@ -3,11 +3,12 @@
 //! same file, recorded in tests/fixtures/gemma3-llama-cpp.json by scripts/gemma3-llama-cpp.sh.
 
 mod common;
+use common::work;
 
 use serde::Deserialize;
 use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::engine::{Executor, SeqId, StepExecutor};
 
 #[derive(Deserialize)]
 struct Fixture {
@@ -32,16 +33,6 @@ fn fixture() -> Fixture {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/gemma3-llama-cpp.json");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
-    SeqWork {
-        seq: SeqId(seq),
-        tokens,
-        sampling: SamplingParams::greedy(),
-        needs: Needs::default(),
-        filter: None,
-    }
 }
 
 fn executor(path: &std::path::Path) -> Executor {
@@ -157,33 +148,14 @@ fn batched_equals_alone_past_the_sliding_window() {
     .map(|p| tok.encode(p).unwrap())
     .collect();
     assert!(prompts[0].len() > 600, "{} tokens", prompts[0].len());
-    let decode = |executor: &mut Executor, seqs: &[(u64, Vec<u32>)]| {
-        let mut inputs: Vec<Vec<u32>> = seqs.iter().map(|s| s.1.clone()).collect();
-        let mut outputs = vec![Vec::new(); seqs.len()];
-        for _ in 0..6 {
-            let batch: Vec<SeqWork> = seqs
-                .iter()
-                .zip(&inputs)
-                .map(|(s, t)| work(s.0, t.clone()))
-                .collect();
-            for (i, out) in executor.step(&batch).unwrap().into_iter().enumerate() {
-                outputs[i].push((out.candidate, out.logits[out.candidate as usize]));
-                inputs[i] = vec![out.candidate];
-            }
-        }
-        for s in seqs {
-            executor.free(SeqId(s.0));
-        }
-        outputs
-    };
     let all: Vec<(u64, Vec<u32>)> = prompts
         .into_iter()
         .enumerate()
         .map(|(i, p)| (i as u64, p))
         .collect();
-    let batched = decode(&mut executor, &all);
+    let batched = common::decode_together(&mut executor, &all, 6);
     for (i, seq) in all.iter().enumerate() {
-        let alone = decode(&mut executor, std::slice::from_ref(seq));
+        let alone = common::decode_together(&mut executor, std::slice::from_ref(seq), 6);
         assert_eq!(batched[i], alone[0], "sequence {i}");
     }
     assert_eq!(executor.kv_usage().used_tokens, 0);

@@ -2,6 +2,7 @@
 //! skipped with a message when absent, a failure under TOKENROUTER_REQUIRE_MODEL=1).
 
 mod common;
+use common::work;
 /// The binary's fixed benchmark prompts (benchmarks live outside the library).
 #[allow(dead_code)]
 #[path = "../src/bench/prompts.rs"]
@@ -13,18 +14,8 @@ use candle_transformers::models::quantized_llama;
 use prompts::PROMPTS;
 use tokenrouter::engine::ops::argmax;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::engine::{Executor, SamplingParams, SeqId, StepExecutor};
 use tokenrouter::policy::learned::{CiterRouter, HiddenScorer, R2rRouter};
-
-fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
-    SeqWork {
-        seq: SeqId(seq),
-        tokens,
-        sampling: SamplingParams::greedy(),
-        needs: Needs::default(),
-        filter: None,
-    }
-}
 
 #[test]
 fn chat_generation_answers_tokyo_through_the_cli() {
@@ -237,24 +228,11 @@ fn batch_of_16_ragged_sequences_equals_each_alone() {
                 .unwrap()
         })
         .collect();
-    let decode = |executor: &mut Executor, seqs: &[(u64, Vec<u32>)], steps: usize| {
-        let mut inputs: Vec<Vec<u32>> = seqs.iter().map(|s| s.1.clone()).collect();
-        let mut outputs = vec![Vec::new(); seqs.len()];
-        for _ in 0..steps {
-            let batch: Vec<SeqWork> = seqs
-                .iter()
-                .zip(&inputs)
-                .map(|(s, t)| work(s.0, t.clone()))
-                .collect();
-            for (i, out) in executor.step(&batch).unwrap().into_iter().enumerate() {
-                outputs[i].push(out.candidate);
-                inputs[i] = vec![out.candidate];
-            }
-        }
-        for s in seqs {
-            executor.free(SeqId(s.0));
-        }
-        outputs
+    let candidates = |executor: &mut Executor, seqs: &[(u64, Vec<u32>)]| -> Vec<Vec<u32>> {
+        common::decode_together(executor, seqs, 8)
+            .into_iter()
+            .map(|steps| steps.into_iter().map(|(candidate, _)| candidate).collect())
+            .collect()
     };
     let all: Vec<(u64, Vec<u32>)> = prompts
         .iter()
@@ -262,9 +240,9 @@ fn batch_of_16_ragged_sequences_equals_each_alone() {
         .enumerate()
         .map(|(i, p)| (i as u64, p))
         .collect();
-    let batched = decode(&mut executor, &all, 8);
+    let batched = candidates(&mut executor, &all);
     for (i, seq) in all.iter().enumerate() {
-        let alone = decode(&mut executor, std::slice::from_ref(seq), 8);
+        let alone = candidates(&mut executor, std::slice::from_ref(seq));
         assert_eq!(batched[i], alone[0], "sequence {i}");
     }
     assert_eq!(executor.kv_usage().used_tokens, 0);

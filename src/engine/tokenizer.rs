@@ -2,7 +2,7 @@
 //! embedded in a GGUF file (`tokenizer.ggml.*`) as a `tokenizers::Tokenizer`: byte-level BPE
 //! (`gpt2`) or SentencePiece BPE with byte fallback (`llama`, as Gemma ships).
 
-use super::weights::{read_gguf, CheckpointFormat};
+use super::weights::{read_gguf, read_text, CheckpointFormat};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, EngineResult};
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -68,17 +68,7 @@ impl ModelTokenizer {
     pub fn load_for(config: &ModelConfig) -> EngineResult<Self> {
         let mut tokenizer = Self::load(&config.path)?;
         if let Some(path) = &config.chat_template {
-            let template = std::fs::read_to_string(path).map_err(|source| {
-                if source.kind() == std::io::ErrorKind::NotFound {
-                    EngineError::MissingFile(path.clone())
-                } else {
-                    EngineError::Io {
-                        path: path.clone(),
-                        source,
-                    }
-                }
-            })?;
-            tokenizer.chat_template = Some(template);
+            tokenizer.chat_template = Some(read_text(path)?);
         }
         Ok(tokenizer)
     }
@@ -232,6 +222,15 @@ impl ModelTokenizer {
     }
 }
 
+/// Each token's id by its text.
+fn bpe_vocab(tokens: &[String]) -> tokenizers::models::bpe::Vocab {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect()
+}
+
 /// GPT-2 style byte-level BPE from its vocabulary and ranked merges.
 fn byte_level_bpe(tokens: &[String], merges: Vec<String>, pre: &str) -> EngineResult<Tokenizer> {
     let merges = merges
@@ -242,13 +241,8 @@ fn byte_level_bpe(tokens: &[String], merges: Vec<String>, pre: &str) -> EngineRe
                 .ok_or_else(|| tok_err(format!("invalid merge `{m}`")))
         })
         .collect::<EngineResult<Vec<_>>>()?;
-    let vocab: tokenizers::models::bpe::Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
     let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
+        .vocab_and_merges(bpe_vocab(tokens), merges)
         .build()
         .map_err(tok_err)?;
     let mut inner = Tokenizer::new(bpe);
@@ -297,13 +291,8 @@ fn sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[u32]) -> Engine
         .into_iter()
         .map(|(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone()))
         .collect();
-    let vocab: tokenizers::models::bpe::Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
     let mut builder = BPE::builder()
-        .vocab_and_merges(vocab, merges)
+        .vocab_and_merges(bpe_vocab(tokens), merges)
         .byte_fallback(true);
     if let Some(unk) = tokens.iter().find(|t| *t == "<unk>") {
         builder = builder.unk_token(unk.clone()).fuse_unk(true);

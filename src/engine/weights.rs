@@ -434,8 +434,9 @@ fn default_context() -> usize {
     4096
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> EngineResult<T> {
-    let text = std::fs::read_to_string(path).map_err(|source| {
+/// A text file beside a model (its config, a chat template), a missing one named as such.
+pub(crate) fn read_text(path: &Path) -> EngineResult<String> {
+    std::fs::read_to_string(path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
             EngineError::MissingFile(path.to_path_buf())
         } else {
@@ -444,7 +445,11 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> EngineResult<T> {
                 source,
             }
         }
-    })?;
+    })
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> EngineResult<T> {
+    let text = read_text(path)?;
     serde_json::from_str(&text).map_err(|e| invalid(path, e.to_string()))
 }
 

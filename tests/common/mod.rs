@@ -10,6 +10,45 @@ use std::path::{Path, PathBuf};
 
 pub mod cluster;
 pub mod server;
+
+use tokenrouter::engine::{Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+
+/// One sequence's greedy share of a step.
+pub fn work(seq: u64, tokens: Vec<u32>) -> SeqWork {
+    SeqWork {
+        seq: SeqId(seq),
+        tokens,
+        sampling: SamplingParams::greedy(),
+        needs: Needs::default(),
+        filter: None,
+    }
+}
+
+/// Greedy decoding of `seqs` (id, prompt) stepped together for `steps` steps: per sequence,
+/// each step's candidate and its logit. The sequences are freed after.
+pub fn decode_together(
+    executor: &mut impl StepExecutor,
+    seqs: &[(u64, Vec<u32>)],
+    steps: usize,
+) -> Vec<Vec<(u32, f32)>> {
+    let mut inputs: Vec<Vec<u32>> = seqs.iter().map(|s| s.1.clone()).collect();
+    let mut outputs = vec![Vec::new(); seqs.len()];
+    for _ in 0..steps {
+        let batch: Vec<SeqWork> = seqs
+            .iter()
+            .zip(&inputs)
+            .map(|(s, t)| work(s.0, t.clone()))
+            .collect();
+        for (i, out) in executor.step(&batch).unwrap().into_iter().enumerate() {
+            outputs[i].push((out.candidate, out.logits[out.candidate as usize]));
+            inputs[i] = vec![out.candidate];
+        }
+    }
+    for s in seqs {
+        executor.free(SeqId(s.0));
+    }
+    outputs
+}
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
