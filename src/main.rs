@@ -13,7 +13,7 @@ use tokenrouter::config::{
     Config, ExecutionMode, ModelConfig, WeightPrecision, DEFAULT_CONFIG_PATH,
 };
 use tokenrouter::constraint::{OutputFormat, Vocabulary};
-use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
+use tokenrouter::engine::chat::ChatMessage;
 use tokenrouter::engine::spelling::Spelling;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{load_executor, weights, Executor, SamplingParams};
@@ -647,14 +647,13 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     };
     actix::System::new().block_on(async move {
         let runtime = Runtime::start(&config, args.mode)?;
-        let tokenizer = runtime.tokenizer()?.clone();
-        let text = if args.chat {
-            ChatTemplate::for_model(&tokenizer)?.render(&[ChatMessage::user(prompt)], true)?
+        let prompt = if args.chat {
+            runtime.render(&[ChatMessage::user(prompt)])?
         } else {
-            prompt
+            runtime.encode(&prompt)?
         };
         let request = GenerateRequest {
-            prompt: tokenizer.encode(&text)?,
+            prompt,
             policy,
             max_tokens: args.max_tokens,
             sampling: SamplingParams {
@@ -668,7 +667,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         };
         let out = runtime.submit(request)?.collect().await?;
         let names = runtime.model_names();
-        let text = tokenizer.decode(&out.token_ids, true)?;
+        let text = runtime.text_of(&out.token_ids, &out.writers)?;
         if args.json {
             let total_s = out.total.as_secs_f64();
             let tokens_per_model: serde_json::Map<String, serde_json::Value> = names

@@ -57,7 +57,7 @@ async fn a_request_ending_elsewhere_releases_the_batch_waiting_for_it() {
     .unwrap();
     let on = |policy: &str, max_tokens: usize| {
         rt.submit(GenerateRequest {
-            prompt: vec![1, 2, 3],
+            prompt: vec![1, 2, 3].into(),
             policy: Some(policy.into()),
             max_tokens,
             sampling: SamplingParams::greedy(),

@@ -359,7 +359,7 @@ fn routers_are_validated_against_the_model_at_load() {
 async fn generate(rt: &Runtime, policy: &str) -> (Vec<u32>, Vec<usize>) {
     let out = rt
         .submit(GenerateRequest {
-            prompt: vec![5, 9, 14, 30, 42],
+            prompt: vec![5, 9, 14, 30, 42].into(),
             policy: Some(policy.into()),
             max_tokens: 24,
             sampling: SamplingParams::greedy(),

@@ -274,7 +274,7 @@ async fn run_policy(
             .iter()
             .map(|&(seed, text)| {
                 let request = GenerateRequest {
-                    prompt: rt.tokenizer().unwrap().encode(text).unwrap(),
+                    prompt: rt.encode(text).unwrap(),
                     policy: Some(policy.into()),
                     max_tokens,
                     sampling: SamplingParams {

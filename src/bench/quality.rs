@@ -7,7 +7,7 @@
 //! from the LLM's, whose answers are the LLM's, at the share the pair itself allows.
 
 use super::answers::{self, Scorable, Split};
-use super::routing::{add_threshold_variants, follow};
+use super::routing::{add_threshold_variants, follow, Followed};
 use serde::Serialize;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -19,7 +19,7 @@ use tokenrouter::engine::{
     Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor, StepOutput,
 };
 use tokenrouter::error::EngineResult;
-use tokenrouter::runtime::{GenerateRequest, RoutingStats, Runtime, RuntimeError};
+use tokenrouter::runtime::{GenerateRequest, Prompt, Runtime, RuntimeError};
 
 /// Sequences teacher-forced through the reference model together.
 const NLL_BATCH: usize = 16;
@@ -66,13 +66,13 @@ pub struct ScoredAnswer {
 
 /// One served name's answers, by question index.
 struct Served {
-    outputs: Vec<Option<(Vec<u32>, RoutingStats)>>,
+    outputs: Vec<Option<Followed>>,
     seconds: f64,
 }
 
 async fn serve_all(
     runtime: Rc<Runtime>,
-    prompts: Rc<Vec<Vec<u32>>>,
+    prompts: Rc<Vec<Prompt>>,
     served: &str,
     settings: &QualityBenchSettings,
 ) -> Served {
@@ -100,7 +100,7 @@ async fn serve_all(
                 Ok(handle) => follow(handle).await.ok(),
                 Err(_) => None,
             };
-            outputs.borrow_mut()[i] = result.map(|f| (f.tokens, f.routing));
+            outputs.borrow_mut()[i] = result;
         }
     })
     .await;
@@ -268,10 +268,23 @@ pub async fn run(
         .map(|n| n.to_string())
         .collect();
     let reference_index = names.iter().position(|n| n == &settings.reference);
-    let tokenizer = runtime.tokenizer()?.clone();
     let questions = selected_questions(settings)?;
-    let prompts = chat_prompts(&tokenizer, &questions)?;
-    let longest_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let prompts: Vec<Prompt> = questions
+        .iter()
+        .map(|q| runtime.render(&[ChatMessage::user(q.question.question.clone())]))
+        .collect::<Result<_, _>>()?;
+    // The reference scores answers in its own vocabulary.
+    let reference_vocabulary = reference_index.map_or(0, |r| runtime.vocabulary_of(r));
+    let reference_spelling = runtime.spellings()?[reference_index.unwrap_or(0)].clone();
+    let forced_prompts: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            p.in_vocabulary(reference_vocabulary)
+                .unwrap_or_default()
+                .to_vec()
+        })
+        .collect();
+    let longest_prompt = forced_prompts.iter().map(Vec::len).max().unwrap_or(0);
     // Teacher forcing holds NLL_BATCH whole answers at once, whatever the serving budget.
     let forcing = |model: &ModelConfig| ModelConfig {
         kv_tokens: model
@@ -289,20 +302,33 @@ pub async fn run(
         let mut answers = Vec::with_capacity(questions.len());
         let mut answer_tokens = Vec::with_capacity(questions.len());
         for (q, output) in questions.iter().zip(&result.outputs) {
-            let (ids, routing) = output.clone().unwrap_or_default();
+            let Followed {
+                tokens: ids,
+                writers,
+                routing,
+                ..
+            } = output.clone().unwrap_or_default();
             tokens += ids.len();
             handoffs += routing.handoffs;
             reference_tokens += reference_index
                 .and_then(|r| routing.tokens_per_model.get(r))
                 .copied()
                 .unwrap_or(0);
-            let text = tokenizer.decode(&ids, true)?;
+            let text = runtime.text_of(&ids, &writers)?;
+            // Tokens another vocabulary wrote are read in the reference's.
+            let in_reference = match writers
+                .iter()
+                .all(|&m| runtime.vocabulary_of(m) == reference_vocabulary)
+            {
+                true => ids,
+                false => reference_spelling.encode(&text)?,
+            };
             answers.push(ScoredAnswer {
                 id: q.question.id.clone(),
                 correct: output.is_some() && q.is_correct(&text),
                 text,
             });
-            answer_tokens.push(ids);
+            answer_tokens.push(in_reference);
         }
         let correct = answers.iter().filter(|a| a.correct).count();
         rows.push(QualityRow {
@@ -311,7 +337,7 @@ pub async fn run(
             correct,
             failed: result.outputs.iter().filter(|o| o.is_none()).count(),
             accuracy: correct as f64 / questions.len().max(1) as f64,
-            reference_nll: mean_nll(&mut scorer, &prompts, &answer_tokens)?,
+            reference_nll: mean_nll(&mut scorer, &forced_prompts, &answer_tokens)?,
             reference_token_share: reference_tokens as f64 / tokens.max(1) as f64,
             handoffs_per_100_tokens: 100.0 * handoffs as f64 / tokens.max(1) as f64,
             ms_per_token: Some(1e3 * result.seconds / tokens.max(1) as f64),
@@ -321,10 +347,14 @@ pub async fn run(
             reference_answers = Some((rows.len() - 1, answer_tokens));
         }
     }
-    let small = config.models.iter().find(|m| m.name != settings.reference);
+    // The oracle compares the small model's tokens with the reference's: one vocabulary.
+    let small = (0..config.models.len()).find(|&m| {
+        config.models[m].name != settings.reference
+            && runtime.vocabulary_of(m) == reference_vocabulary
+    });
     if let (Some((row, answer_tokens)), Some(small)) = (reference_answers, small) {
-        let mut small = Executor::load(&forcing(small))?;
-        let (share, handoffs) = oracle_routing(&mut small, &prompts, &answer_tokens)?;
+        let mut small = Executor::load(&forcing(&config.models[small]))?;
+        let (share, handoffs) = oracle_routing(&mut small, &forced_prompts, &answer_tokens)?;
         rows.push(QualityRow {
             served: "oracle".into(),
             reference_token_share: share,

@@ -25,7 +25,7 @@ use tokenrouter::config::{Config, ExecutionMode, PolicyConfig, StepCost};
 use tokenrouter::constraint::OutputFormat;
 use tokenrouter::engine::SamplingParams;
 use tokenrouter::runtime::{
-    GenerateRequest, ModelSnapshot, RequestEvent, RequestHandle, RoutingStats, Runtime,
+    GenerateRequest, ModelSnapshot, Prompt, RequestEvent, RequestHandle, RoutingStats, Runtime,
     RuntimeError,
 };
 use tokenrouter::tuning::controller::ArmComparison;
@@ -564,24 +564,29 @@ impl Tally {
 }
 
 /// One request's tokens with their arrival times.
+#[derive(Clone, Default)]
 pub(super) struct Followed {
     pub tokens: Vec<u32>,
+    /// The model that wrote each token.
+    pub writers: Vec<usize>,
     pub routing: RoutingStats,
     pub times: Vec<Instant>,
 }
 
 /// Reads a request's events to its end, timing each token.
 pub(super) async fn follow(mut handle: RequestHandle) -> Result<Followed, RuntimeError> {
-    let (mut tokens, mut times) = (Vec::new(), Vec::new());
+    let (mut tokens, mut writers, mut times) = (Vec::new(), Vec::new(), Vec::new());
     while let Some(event) = handle.events.recv().await {
         match event {
-            RequestEvent::Token { id, .. } => {
+            RequestEvent::Token { id, model, .. } => {
                 tokens.push(id);
+                writers.push(model);
                 times.push(Instant::now());
             }
             RequestEvent::Finished { stats, .. } => {
                 return Ok(Followed {
                     tokens,
+                    writers,
                     routing: stats,
                     times,
                 })
@@ -594,16 +599,18 @@ pub(super) async fn follow(mut handle: RequestHandle) -> Result<Followed, Runtim
     Err(RuntimeError::Disconnected)
 }
 
-/// A prompt of `tokens` tokens made of the workload's prompts, for the long-prompt probe.
-fn long_prompt(prompts: &[Vec<u32>], tokens: usize) -> Vec<u32> {
+/// A prompt of `tokens` tokens made of the workload's prompts (in the first model's
+/// vocabulary), for the long-prompt probe.
+fn long_prompt(prompts: &[Prompt], tokens: usize) -> Prompt {
     prompts
         .iter()
         .rev()
-        .flatten()
+        .flat_map(Prompt::tokens)
         .copied()
         .cycle()
         .take(tokens)
-        .collect()
+        .collect::<Vec<u32>>()
+        .into()
 }
 
 /// The largest gap ending while the long prompt ran, and the largest ending in an equally
@@ -652,7 +659,7 @@ fn start(
 
 async fn closed_loop(
     runtime: Rc<Runtime>,
-    prompts: Rc<Vec<Vec<u32>>>,
+    prompts: Rc<Vec<Prompt>>,
     policy: &str,
     concurrency: usize,
     settings: &RoutingBenchSettings,
@@ -664,7 +671,7 @@ async fn closed_loop(
     let ignore_eos = settings.workload.ignores_eos() && format.is_none();
     let tally = Rc::new(RefCell::new(Tally::default()));
     let request =
-        move |prompt: Vec<u32>, policy: &str, max_tokens: usize, seed: u64| GenerateRequest {
+        move |prompt: Prompt, policy: &str, max_tokens: usize, seed: u64| GenerateRequest {
             prompt,
             policy: Some(policy.to_string()),
             max_tokens,
@@ -839,6 +846,12 @@ pub async fn run(
         first.tokenizer().map_err(|_| {
             anyhow::anyhow!("std-serving needs models with a tokenizer (real weights)")
         })?;
+        if first.has_several_vocabularies() {
+            anyhow::bail!(
+                "std-serving: its dispatcher passes token ids between single-model servers, \
+                 and these models read different vocabularies"
+            );
+        }
         for policy in &policies {
             let shared = registry.get(policy).expect("checked above");
             if let Some(why) = std_serving::unsupported(&shared) {
@@ -1013,7 +1026,9 @@ pub async fn run(
                             fresh_profiles = None;
                             let std_cell = std_serving::Cell {
                                 policy: registry.get(policy).expect("checked above"),
-                                prompts: Arc::new(prompts.as_ref().clone()),
+                                prompts: Arc::new(
+                                    prompts.iter().map(|p| p.tokens().to_vec()).collect(),
+                                ),
                                 concurrency,
                                 requests: settings.requests,
                                 max_tokens: settings.max_tokens,
@@ -1525,6 +1540,7 @@ mod tests {
     fn followed(times: Vec<Instant>) -> Followed {
         Followed {
             tokens: vec![1; times.len()],
+            writers: vec![0; times.len()],
             routing: RoutingStats::default(),
             times,
         }

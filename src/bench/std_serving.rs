@@ -283,7 +283,7 @@ fn dispatch(
         tokens_per_model: vec![0; endpoints.len()],
         handoffs: 0,
     };
-    let mut times = Vec::new();
+    let (mut times, mut writers) = (Vec::new(), Vec::new());
     while state.generated().len() < cell.max_tokens {
         let model = state.current;
         let answer = ask(agent, &endpoints[model], &state.tokens, seed, breakdown)?;
@@ -316,11 +316,13 @@ fn dispatch(
             }
             state.tokens.push(answer.id);
             routing.tokens_per_model[model] += 1;
+            writers.push(model);
             times.push(Instant::now());
         }
     }
     Ok(super::routing::Followed {
         tokens: state.generated().to_vec(),
+        writers,
         routing,
         times,
     })

@@ -45,7 +45,7 @@ pub fn endless(runtime: &Runtime, seed: u64) -> Result<RequestHandle, RuntimeErr
     let prompt = vec![1, 2, 3];
     runtime.submit(GenerateRequest {
         max_tokens: runtime.request_token_limit() - prompt.len(),
-        prompt,
+        prompt: prompt.into(),
         policy: Some("r2r".into()),
         sampling: SamplingParams {
             seed,

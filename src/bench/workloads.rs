@@ -4,8 +4,8 @@
 //! latency-profile simulation) prompts are synthetic token ids of the same shape.
 
 use super::prompts::PROMPTS;
-use tokenrouter::engine::chat::{ChatMessage, ChatTemplate};
-use tokenrouter::runtime::{Runtime, RuntimeError};
+use tokenrouter::engine::chat::ChatMessage;
+use tokenrouter::runtime::{Prompt, Runtime, RuntimeError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -81,8 +81,8 @@ pub fn prompts(
     runtime: &Runtime,
     workload: Workload,
     round: usize,
-) -> Result<Vec<Vec<u32>>, RuntimeError> {
-    let Ok(tokenizer) = runtime.tokenizer() else {
+) -> Result<Vec<Prompt>, RuntimeError> {
+    if runtime.tokenizer().is_err() {
         let len = if workload == Workload::Agent {
             1024
         } else {
@@ -93,13 +93,13 @@ pub fn prompts(
             .map(|i| {
                 (0..len)
                     .map(|j| 3 + (i * 31 + j * 7 + shift) % 200)
-                    .collect()
+                    .collect::<Vec<u32>>()
+                    .into()
             })
             .collect());
-    };
-    let template = ChatTemplate::for_model(tokenizer)?;
+    }
     conversations(workload, round)
         .iter()
-        .map(|messages| Ok(tokenizer.encode(&template.render(messages, true)?)?))
+        .map(|messages| Ok(runtime.render(messages)?))
         .collect()
 }

@@ -152,6 +152,7 @@ pub fn incomplete_tail(text: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::spelling::real_spellings;
 
     #[test]
     fn an_unfinished_character_is_found_at_the_end_only() {
@@ -173,33 +174,6 @@ mod tests {
         assert_eq!(stable, [0, 2, 6]);
     }
 
-    /// The real SmolLM2 and Gemma 3 tokenizers (49k byte-level BPE, 262k SentencePiece);
-    /// `None` where a file is not fetched, a failure under `TOKENROUTER_REQUIRE_MODEL=1`.
-    fn real_spellings() -> Option<&'static [Spelling; 2]> {
-        use crate::engine::tokenizer::ModelTokenizer;
-        static SPELLINGS: std::sync::OnceLock<Option<[Spelling; 2]>> = std::sync::OnceLock::new();
-        SPELLINGS
-            .get_or_init(|| {
-                let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
-                let files = [
-                    "SmolLM2-135M-Instruct.Q4_1.gguf",
-                    "gemma-3-270m-q4_k_m.gguf",
-                ];
-                if let Some(missing) = files.iter().find(|f| !models.join(f).exists()) {
-                    let required =
-                        std::env::var("TOKENROUTER_REQUIRE_MODEL").is_ok_and(|v| v == "1");
-                    assert!(!required, "models/{missing} is missing");
-                    eprintln!("skipping: models/{missing} not fetched");
-                    return None;
-                }
-                let spelling = |file: &str| {
-                    Spelling::new(&ModelTokenizer::load(&models.join(file)).unwrap()).unwrap()
-                };
-                Some([spelling(files[0]), spelling(files[1])])
-            })
-            .as_ref()
-    }
-
     const TEXTS: [&str; 8] = [
         "The capital of Japan is Tokyo. It has 13,960,000 people (2021).",
         "def add(a, b):\n    return a + b  # sum of two numbers\n\n\tprint(add(1, 2))",
@@ -214,7 +188,11 @@ mod tests {
     /// Two models write `text` in turn, each in its own tokens, the serving one changing
     /// where `switches` says (a switch waits while the text ends inside a character).
     /// Returns the shared text's state at the end; panics where an invariant breaks.
-    fn write_in_turns(spellings: &[Spelling; 2], text: &str, switches: &[bool]) -> SharedText {
+    fn write_in_turns(
+        spellings: &[std::sync::Arc<Spelling>; 2],
+        text: &str,
+        switches: &[bool],
+    ) -> SharedText {
         let mut shared = SharedText::new(2);
         let mut serving = 0;
         let mut plan = spellings[serving].encode(text).unwrap().into_iter();

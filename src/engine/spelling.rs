@@ -101,3 +101,32 @@ impl Spelling {
         Ok(out)
     }
 }
+
+/// The real SmolLM2 and Gemma 3 tokenizers' spellings (49k byte-level BPE, 262k
+/// SentencePiece), for tests of handoffs between them; `None` where a file is not fetched, a
+/// failure under `TOKENROUTER_REQUIRE_MODEL=1`.
+#[cfg(test)]
+pub(crate) fn real_spellings() -> Option<&'static [std::sync::Arc<Spelling>; 2]> {
+    use crate::engine::tokenizer::ModelTokenizer;
+    use std::sync::Arc;
+    static SPELLINGS: std::sync::OnceLock<Option<[Arc<Spelling>; 2]>> = std::sync::OnceLock::new();
+    SPELLINGS
+        .get_or_init(|| {
+            let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+            let files = [
+                "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "gemma-3-270m-q4_k_m.gguf",
+            ];
+            if let Some(missing) = files.iter().find(|f| !models.join(f).exists()) {
+                let required = std::env::var("TOKENROUTER_REQUIRE_MODEL").is_ok_and(|v| v == "1");
+                assert!(!required, "models/{missing} is missing");
+                eprintln!("skipping: models/{missing} not fetched");
+                return None;
+            }
+            let spelling = |file: &str| {
+                Arc::new(Spelling::new(&ModelTokenizer::load(&models.join(file)).unwrap()).unwrap())
+            };
+            Some([spelling(files[0]), spelling(files[1])])
+        })
+        .as_ref()
+}

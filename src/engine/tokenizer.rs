@@ -96,6 +96,17 @@ impl ModelTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Whether `other` reads a conversation and its answer as the same tokens (the same
+    /// vocabulary, special ids and chat template).
+    pub fn reads_like(&self, other: &ModelTokenizer) -> bool {
+        self.chat_template == other.chat_template
+            && self.bos == other.bos
+            && self.eos == other.eos
+            && self.add_bos == other.add_bos
+            && self.vocab_size() == other.vocab_size()
+            && self.inner.to_string(false).ok() == other.inner.to_string(false).ok()
+    }
+
     pub fn from_gguf(content: &Content) -> EngineResult<Self> {
         let md = &content.metadata;
         let string = |key: &str| md.get(key).and_then(|v| v.to_string().ok()).cloned();

@@ -14,6 +14,7 @@ mod record;
 mod request;
 mod step_lock;
 mod system;
+mod tokenizers;
 mod tuner;
 
 pub use self::core::{
@@ -25,3 +26,4 @@ pub use request::RequestEvent;
 pub use system::{
     Completion, GenerateRequest, InvalidRequest, RequestHandle, Runtime, RuntimeError, ValidRequest,
 };
+pub use tokenizers::Prompt;

@@ -7,8 +7,8 @@ use super::bus::{
     ModelFacts, RemoteModel, ReplicaStatus,
 };
 use super::core::{
-    BatchGate, EngineTiming, FailureKind, FinishReason, InFlight, RequestId, RequestParams,
-    RoutingStats,
+    BatchGate, CrossVocab, EngineTiming, FailureKind, FinishReason, InFlight, RequestId,
+    RequestParams, RoutingStats,
 };
 use super::link::{Client, ModelLink, OwnRequests};
 use super::live::LiveRequests;
@@ -17,9 +17,11 @@ use super::model::{ModelActor, ModelActorParts};
 use super::record::{ModelRecorder, RuntimeSnapshot};
 use super::request::{RequestActor, RequestEvent};
 use super::step_lock::StepLock;
+use super::tokenizers::{Prompt, Tokenizers};
 use super::tuner::{TunerActor, TunerSettings};
 use crate::config::{Config, ExecutionMode, Placement, PolicyConfig, PolicyUpdate};
 use crate::constraint::{FormatError, OutputFormat, RequestGrammar, Vocabulary};
+use crate::engine::chat::ChatMessage;
 use crate::engine::simulated::LatencyProfileExecutor;
 use crate::engine::spelling::Spelling;
 use crate::engine::tokenizer::ModelTokenizer;
@@ -108,11 +110,22 @@ pub enum InvalidRequest {
     OutputFormat(#[from] FormatError),
     #[error("structured output {0}")]
     Unconstrainable(&'static str),
+    #[error(
+        "policy `{policy}` routes to model `{model}`, which reads another vocabulary than the \
+         prompt's token ids: send the prompt as text or messages"
+    )]
+    PromptVocabulary { policy: String, model: String },
+    #[error("{0} across vocabularies: token ids and their log-probabilities name one vocabulary")]
+    AcrossVocabularies(&'static str),
 }
 
 /// A request checked by `Runtime::validate`: its policy resolved, its size known to fit.
 pub struct ValidRequest {
-    prompt: Vec<u32>,
+    prompt: Prompt,
+    /// Whether its policy's models read more than one vocabulary.
+    across_vocabularies: bool,
+    /// What `usage` reports (`Runtime::prompt_tokens`).
+    prompt_tokens: usize,
     policy: SharedPolicy,
     policy_spec: Option<Arc<PolicyConfig>>,
     max_tokens: usize,
@@ -124,24 +137,29 @@ pub struct ValidRequest {
 }
 
 impl ValidRequest {
+    /// The prompt's tokens in the vocabulary of the policy's first model.
     pub fn prompt_tokens(&self) -> usize {
-        self.prompt.len()
+        self.prompt_tokens
     }
 
     /// Reports each committed token's log-probability, `top` alternatives' and the
-    /// distribution's entropy (`RequestEvent::Token::logprobs`).
-    pub fn with_logprobs(self, top: usize) -> Self {
-        Self {
+    /// distribution's entropy (`RequestEvent::Token::logprobs`). Refused across
+    /// vocabularies: ids of two vocabularies would read as one.
+    pub fn with_logprobs(self, top: usize) -> Result<Self, InvalidRequest> {
+        if self.across_vocabularies {
+            return Err(InvalidRequest::AcrossVocabularies("logprobs"));
+        }
+        Ok(Self {
             logprobs: Some(top),
             ..self
-        }
+        })
     }
 }
 
 /// One generation as submitted to the runtime (token ids in, token ids out).
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
-    pub prompt: Vec<u32>,
+    pub prompt: Prompt,
     /// A policy or model name; the default policy when `None`.
     pub policy: Option<String>,
     pub max_tokens: usize,
@@ -157,6 +175,8 @@ pub struct Completion {
     pub rid: RequestId,
     pub policy: String,
     pub token_ids: Vec<u32>,
+    /// The model that wrote each token (ids of models of different vocabularies mix).
+    pub writers: Vec<usize>,
     pub finish_reason: FinishReason,
     pub routing: RoutingStats,
     pub prompt_tokens: usize,
@@ -181,13 +201,14 @@ impl RequestHandle {
 
     /// Waits for the whole generation.
     pub async fn collect(mut self) -> Result<Completion, RuntimeError> {
-        let mut token_ids = Vec::new();
+        let (mut token_ids, mut writers) = (Vec::new(), Vec::new());
         let mut ttft = None;
         while let Some(event) = self.events.recv().await {
             match event {
-                RequestEvent::Token { id, .. } => {
+                RequestEvent::Token { id, model, .. } => {
                     ttft.get_or_insert_with(|| self.submitted.elapsed());
                     token_ids.push(id);
+                    writers.push(model);
                 }
                 RequestEvent::Finished {
                     reason,
@@ -200,6 +221,7 @@ impl RequestHandle {
                         rid: self.rid,
                         policy: std::mem::take(&mut self.policy),
                         token_ids,
+                        writers,
                         finish_reason: reason,
                         routing: stats,
                         prompt_tokens,
@@ -244,14 +266,14 @@ pub struct Runtime {
     /// Per model: its name and whole KV budget in tokens (a request must fit each model its
     /// policy may route to, even with nothing else running).
     kv_capacity: Vec<(String, usize)>,
-    /// `None` when every model is a latency-profile simulation.
-    tokenizer: Option<Arc<ModelTokenizer>>,
-    /// What each token spells (streamed text, structured output), built on first use.
-    spelling: OnceLock<Arc<Spelling>>,
-    /// The tokenizer's vocabulary for structured output, built by the first request that
+    /// Each model's tokenizer and chat template, by vocabulary (none when every model is a
+    /// latency-profile simulation).
+    tokenizers: Tokenizers,
+    /// Per vocabulary, its tokens for structured output, built by the first request that
     /// asks for it.
-    vocabulary: OnceLock<Arc<Vocabulary>>,
-    eos: Arc<BTreeSet<u32>>,
+    grammar_vocabularies: Vec<OnceLock<Arc<Vocabulary>>>,
+    /// Per vocabulary (one when there is none), the tokens that end a generation.
+    eos: Vec<Arc<BTreeSet<u32>>>,
     live: LiveRequests,
     /// This process's requests, when some model is hosted elsewhere (`[cluster]`).
     frontend: Option<FrontendRequests>,
@@ -318,20 +340,21 @@ impl Runtime {
         let latency_priors = config.latency_priors_ms()?;
         let mode = mode.unwrap_or(config.runtime.mode);
         let everything_here = hosted.iter().all(|&h| h);
-        let tokenizer = match config
+        let uses_bus =
+            config.cluster.is_some() && (matches!(role, Role::Worker) || !everything_here);
+        // Over the bus every model reads the first one's vocabulary (checked below): the
+        // other models' files need not be here.
+        let first_real = config
             .models
             .iter()
-            .find(|m| m.latency_profile_ms.is_none())
-        {
-            Some(m) => Some(Arc::new(ModelTokenizer::load_for(m)?)),
-            None => None,
+            .position(|m| m.latency_profile_ms.is_none());
+        let tokenizers = Tokenizers::load(config, |m| !uses_bus || Some(m) == first_real)?;
+        let eos: Vec<Arc<BTreeSet<u32>>> = match tokenizers.count() {
+            0 => vec![Arc::default()],
+            n => (0..n)
+                .map(|v| Arc::new(tokenizers.tokenizer(v).eos.clone()))
+                .collect(),
         };
-        let eos = Arc::new(
-            tokenizer
-                .as_ref()
-                .map(|t| t.eos.clone())
-                .unwrap_or_default(),
-        );
         let mut executors = config
             .models
             .iter()
@@ -361,9 +384,8 @@ impl Runtime {
             .map(|m| m.step_limits(config.runtime.max_wait_steps))
             .collect::<Result<Vec<_>, _>>()?;
         // With a bus, every process hosting a model says what it is and asks the others.
-        let bus = match (&config.cluster, &role) {
-            (Some(cluster), Role::Worker) => Some(Bus::connect(cluster)?),
-            (Some(cluster), Role::Frontend) if !everything_here => Some(Bus::connect(cluster)?),
+        let bus = match &config.cluster {
+            Some(cluster) if uses_bus => Some(Bus::connect(cluster)?),
             _ => None,
         };
         let facts: Vec<Option<ModelFacts>> = executors
@@ -382,17 +404,7 @@ impl Runtime {
             }
         };
         let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
-        let vocab = facts[0].vocab_size;
-        if let Some((other, f)) = names
-            .iter()
-            .zip(&facts)
-            .find(|(_, f)| f.vocab_size != vocab)
-        {
-            return Err(RuntimeError::InvalidRequest(format!(
-                "model `{other}` has a vocabulary of {} tokens, `{}` has {vocab}; routed models must share one",
-                f.vocab_size, names[0]
-            )));
-        }
+        check_vocabularies(&names, &facts, &tokenizers)?;
         let hidden_sizes: Vec<usize> = facts.iter().map(|f| f.hidden_size).collect();
         let kv_capacity = names
             .iter()
@@ -405,6 +417,7 @@ impl Runtime {
             .min()
             .unwrap_or(usize::MAX);
         let policies = PolicyRegistry::from_config(config, &hidden_sizes)?;
+        refuse_mixing_vocabularies(&policies, &tokenizers, &names)?;
         if matches!(role, Role::Frontend) {
             for policy in policies.all() {
                 let info = policy.describe();
@@ -596,9 +609,8 @@ impl Runtime {
             hidden_sizes,
             context_length,
             kv_capacity,
-            tokenizer,
-            spelling: OnceLock::new(),
-            vocabulary: OnceLock::new(),
+            grammar_vocabularies: (0..tokenizers.count()).map(|_| OnceLock::new()).collect(),
+            tokenizers,
             eos,
             live,
             frontend,
@@ -613,27 +625,66 @@ impl Runtime {
         self.mode
     }
 
+    /// The tokenizer of the first model's vocabulary: token-id prompts are read in it.
     pub fn tokenizer(&self) -> Result<&Arc<ModelTokenizer>, RuntimeError> {
-        self.tokenizer.as_ref().ok_or_else(|| {
-            RuntimeError::InvalidRequest(
-                "every model is a latency-profile simulation: no tokenizer".into(),
-            )
-        })
+        self.tokenizers.first().ok_or_else(no_tokenizer)
     }
 
-    /// The bytes each token of the routed models' vocabulary spells (built by the first
-    /// caller: ~0.2 s for 49k tokens, ~1 s for 262k).
-    pub fn spelling(&self) -> Result<Arc<Spelling>, RuntimeError> {
-        if let Some(spelling) = self.spelling.get() {
-            return Ok(spelling.clone());
+    /// Per model, the bytes each token of its vocabulary spells (built by the first caller:
+    /// ~0.2 s for 49k tokens, ~1 s for 262k).
+    pub fn spellings(&self) -> Result<Vec<Arc<Spelling>>, RuntimeError> {
+        if self.tokenizers.count() == 0 {
+            return Err(no_tokenizer());
         }
-        let built = Arc::new(Spelling::new(self.tokenizer()?)?);
-        Ok(self.spelling.get_or_init(|| built).clone())
+        let spellings = (0..self.tokenizers.count())
+            .map(|v| self.tokenizers.spelling(v))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((0..self.models.len())
+            .map(|m| spellings[self.tokenizers.of(m)].clone())
+            .collect())
     }
 
-    /// The tokens that end a generation (unless it ignores them).
+    /// The tokens that end a generation in the first model's vocabulary (unless it ignores
+    /// them).
     pub fn eos_tokens(&self) -> &BTreeSet<u32> {
-        &self.eos
+        &self.eos[0]
+    }
+
+    /// Whether some model reads another vocabulary than the first.
+    pub fn has_several_vocabularies(&self) -> bool {
+        self.tokenizers.count() > 1
+    }
+
+    /// The text of tokens `writers` wrote (one model index per token), without special
+    /// tokens: decoded by the tokenizer when every model reads one vocabulary, spelled
+    /// token by token in each writer's vocabulary otherwise.
+    pub fn text_of(&self, tokens: &[u32], writers: &[usize]) -> Result<String, RuntimeError> {
+        if !self.has_several_vocabularies() {
+            return Ok(self.tokenizer()?.decode(tokens, true)?);
+        }
+        let spellings = self.spellings()?;
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .zip(writers)
+            .flat_map(|(&t, &m)| spellings[m].bytes(t).to_vec())
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// Which vocabulary model `model` reads (0 for the first model's; numbered in order of
+    /// first appearance): `Prompt::in_vocabulary` takes it.
+    pub fn vocabulary_of(&self, model: usize) -> usize {
+        self.tokenizers.of(model)
+    }
+
+    /// `text` as a prompt in every vocabulary the models read.
+    pub fn encode(&self, text: &str) -> Result<Prompt, EngineError> {
+        self.tokenizers.encode(text)
+    }
+
+    /// `messages` rendered by each vocabulary's chat template, as a prompt in each.
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<Prompt, EngineError> {
+        self.tokenizers.render(messages)
     }
 
     pub fn context_length(&self) -> usize {
@@ -689,6 +740,7 @@ impl Runtime {
         let mut config = self.config.lock().unwrap_or_else(|e| e.into_inner());
         let next = next_config(&config)?;
         let registry = Arc::new(PolicyRegistry::from_config(&next, &self.hidden_sizes)?);
+        refuse_mixing_vocabularies(&registry, &self.tokenizers, &self.model_names())?;
         self.policies.store(registry.clone());
         *config = next;
         telemetry::policy_swapped();
@@ -745,23 +797,32 @@ impl Runtime {
                 .ok_or_else(|| RuntimeError::UnknownPolicy(name.clone()))?,
             None => registry.default_policy(),
         };
-        let (prompt, max_tokens) = (request.prompt.len(), request.max_tokens);
-        if prompt == 0 {
+        let max_tokens = request.max_tokens;
+        if request.prompt.tokens().is_empty() {
             return Err(InvalidRequest::EmptyPrompt.into());
         }
         if max_tokens == 0 {
             return Err(InvalidRequest::NoTokensAsked.into());
         }
-        let needed = prompt.saturating_add(max_tokens);
-        if needed > self.context_length {
-            return Err(InvalidRequest::Context {
-                prompt,
-                max_tokens,
-                context: self.context_length,
-            }
-            .into());
-        }
         for &m in policy.models() {
+            // Each model reads the prompt in its own vocabulary.
+            let prompt = request
+                .prompt
+                .in_vocabulary(self.tokenizers.of(m))
+                .ok_or_else(|| InvalidRequest::PromptVocabulary {
+                    policy: policy.name().to_string(),
+                    model: self.model_names[m].clone(),
+                })?
+                .len();
+            let needed = prompt.saturating_add(max_tokens);
+            if needed > self.context_length {
+                return Err(InvalidRequest::Context {
+                    prompt,
+                    max_tokens,
+                    context: self.context_length,
+                }
+                .into());
+            }
             let (model, capacity) = &self.kv_capacity[m];
             if needed > *capacity {
                 return Err(InvalidRequest::KvBudget {
@@ -774,6 +835,8 @@ impl Runtime {
             }
         }
         Ok(ValidRequest {
+            across_vocabularies: self.tokenizers.spans(policy.models()),
+            prompt_tokens: self.prompt_tokens(&request.prompt, &policy),
             prompt: request.prompt,
             policy_spec: registry.spec(policy.name()),
             policy,
@@ -796,17 +859,23 @@ impl Runtime {
             )
             .into());
         }
-        let vocabulary = match self.vocabulary.get() {
-            Some(vocabulary) => vocabulary.clone(),
-            None => {
-                let eos = self.tokenizer()?.eos.clone();
-                let spelling = self.spelling()?;
+        self.tokenizer()?;
+        let by_vocabulary = (0..self.tokenizers.count())
+            .map(|v| -> Result<Arc<Vocabulary>, RuntimeError> {
+                if let Some(vocabulary) = self.grammar_vocabularies[v].get() {
+                    return Ok(vocabulary.clone());
+                }
+                let eos = self.tokenizers.tokenizer(v).eos.clone();
+                let spelling = self.tokenizers.spelling(v)?;
                 let built = Vocabulary::new(&spelling, eos, ParserLimits::default())?;
-                self.vocabulary.get_or_init(|| built).clone()
-            }
-        };
-        // Every model of a deployment speaks the deployment tokenizer's vocabulary.
-        let vocabularies = vec![vocabulary; self.models.len()];
+                Ok(self.grammar_vocabularies[v].get_or_init(|| built).clone())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // Models of one vocabulary share its matcher; a handoff into another vocabulary
+        // advances that one's by the committed bytes.
+        let vocabularies: Vec<Arc<Vocabulary>> = (0..self.models.len())
+            .map(|m| by_vocabulary[self.tokenizers.of(m)].clone())
+            .collect();
         let grammar = RequestGrammar::new(format, &vocabularies).map_err(InvalidRequest::from)?;
         Ok(Arc::new(grammar))
     }
@@ -834,10 +903,22 @@ impl Runtime {
         Ok(self.launch(self.validate(request)?))
     }
 
+    /// The prompt's length in the vocabulary of the policy's first model: what `usage`
+    /// reports.
+    fn prompt_tokens(&self, prompt: &Prompt, policy: &SharedPolicy) -> usize {
+        let v = policy
+            .models()
+            .first()
+            .map_or(0, |&m| self.tokenizers.of(m));
+        prompt.in_vocabulary(v).map_or(0, <[u32]>::len)
+    }
+
     /// Starts a validated generation; its tokens arrive on the handle's event stream.
     pub fn launch(&self, request: ValidRequest) -> RequestHandle {
         let ValidRequest {
             prompt,
+            across_vocabularies: _,
+            prompt_tokens,
             policy,
             policy_spec,
             max_tokens,
@@ -849,12 +930,35 @@ impl Runtime {
         } = request;
         let rid = RequestId(self.next_rid.fetch_add(1, Ordering::Relaxed));
         let seed = sampling.seed;
-        let mut state = RoutingState::new(rid, prompt, self.models.len(), seed);
-        state.current = policy.entry(&RequestInfo {
+        let entry = policy.entry(&RequestInfo {
             rid,
-            prompt_len: state.prompt_len,
+            prompt_len: prompt_tokens,
             seed,
         });
+        let eos: Vec<Arc<BTreeSet<u32>>> = if ignore_eos {
+            vec![Arc::default(); self.eos.len()]
+        } else {
+            self.eos.clone()
+        };
+        let (first_prompt, cross) = match self.tokenizers.cross() {
+            Some(vocabularies) if self.tokenizers.spans(policy.models()) => {
+                let (cross, first) = CrossVocab::new(
+                    vocabularies.clone(),
+                    prompt.into_vocabularies(),
+                    eos.clone(),
+                    entry,
+                    prompt_tokens,
+                );
+                (first, Some(Box::new(cross)))
+            }
+            _ => {
+                let v = self.tokenizers.of(entry);
+                let first = prompt.in_vocabulary(v).expect("validated").to_vec();
+                (first, None)
+            }
+        };
+        let mut state = RoutingState::new(rid, first_prompt, self.models.len(), seed);
+        state.current = entry;
         let (tx, rx) = unbounded_channel();
         self.live.insert(rid);
         let actor = RequestActor::new(
@@ -881,11 +985,7 @@ impl Runtime {
             params: RequestParams {
                 max_tokens,
                 sampling,
-                eos: if ignore_eos {
-                    Arc::default()
-                } else {
-                    self.eos.clone()
-                },
+                eos: eos[self.tokenizers.of(entry)].clone(),
                 policy,
                 policy_spec,
                 logprobs,
@@ -897,6 +997,7 @@ impl Runtime {
             timing: EngineTiming::default(),
             hosts: vec![None; self.models.len()],
             grammar,
+            cross,
         };
         actor.do_send(Start(in_flight));
         RequestHandle {
@@ -932,4 +1033,54 @@ fn facts_of(executor: &dyn StepExecutor, mode: ExecutionMode, host: &str) -> Mod
         context_length: executor.context_length(),
         kv_capacity_tokens: executor.kv_usage().capacity_tokens,
     }
+}
+
+fn no_tokenizer() -> RuntimeError {
+    RuntimeError::InvalidRequest("every model is a latency-profile simulation: no tokenizer".into())
+}
+
+/// Models that read one vocabulary must agree on its size (over the bus every model reads
+/// the first one's).
+fn check_vocabularies(
+    names: &[&str],
+    facts: &[ModelFacts],
+    tokenizers: &Tokenizers,
+) -> Result<(), RuntimeError> {
+    for (m, f) in facts.iter().enumerate() {
+        let first = (0..m).find(|&o| tokenizers.of(o) == tokenizers.of(m));
+        if let Some(o) = first.filter(|&o| facts[o].vocab_size != f.vocab_size) {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "model `{}` has a vocabulary of {} tokens, `{}` has {}; models with one \
+                 tokenizer must share its vocabulary (and over a [cluster] bus every routed \
+                 model must)",
+                names[m], f.vocab_size, names[o], facts[o].vocab_size
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Co-LLM and the mixture ensemble combine the models' distributions over one vocabulary:
+/// a pair that reads two cannot run them.
+fn refuse_mixing_vocabularies(
+    registry: &PolicyRegistry,
+    tokenizers: &Tokenizers,
+    names: &[&str],
+) -> Result<(), RuntimeError> {
+    for policy in registry.all() {
+        let info = policy.describe();
+        if matches!(info.kind, PolicyKind::Colm | PolicyKind::Me) && tokenizers.spans(&info.models)
+        {
+            let models: Vec<&str> = info.models.iter().map(|&m| names[m]).collect();
+            return Err(RuntimeError::InvalidRequest(format!(
+                "policy `{}` ({}) combines its models' next-token distributions, which needs \
+                 one vocabulary; its models {} read different vocabularies (route across them \
+                 with r2r, citer or rstitch)",
+                info.name,
+                info.kind,
+                models.join(", ")
+            )));
+        }
+    }
+    Ok(())
 }

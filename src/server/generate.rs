@@ -16,8 +16,8 @@ use crate::constraint::{OutputFormat, RequestGrammar};
 use crate::engine::spelling::Spelling;
 use crate::engine::tokenizer::ModelTokenizer;
 use crate::runtime::{
-    EngineTiming, FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestHandle,
-    RoutingStats, RuntimeError,
+    EngineTiming, FinishReason, GenerateRequest, InvalidRequest, Prompt as RuntimePrompt,
+    RequestEvent, RequestHandle, RoutingStats, RuntimeError,
 };
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
@@ -57,9 +57,9 @@ pub async fn completions(
     let generation = request.generation(&options, &state.config)?;
     let tokenizer = state.tokenizer()?;
     let parsed = Instant::now();
-    let prompt = match &request.prompt {
-        Prompt::Text(text) => tokenizer.encode(text)?,
-        Prompt::Texts(texts) if texts.len() == 1 => tokenizer.encode(&texts[0])?,
+    let prompt: RuntimePrompt = match &request.prompt {
+        Prompt::Text(text) => state.runtime.encode(text)?,
+        Prompt::Texts(texts) if texts.len() == 1 => state.runtime.encode(&texts[0])?,
         Prompt::Texts(_) => {
             return Err(ApiError::invalid(
                 "prompt",
@@ -76,7 +76,7 @@ pub async fn completions(
                     format!("token id {bad} is outside the vocabulary"),
                 ));
             }
-            ids.clone()
+            ids.clone().into()
         }
     };
     let times = HandlerTimes {
@@ -110,8 +110,9 @@ pub async fn chat_completions(
         calling.show(&mut messages);
     }
     let parsed = Instant::now();
-    let text = state.chat_template()?.render(&messages, true)?;
-    let prompt = state.tokenizer()?.encode(&text)?;
+    // Each vocabulary renders the conversation with its own template.
+    state.chat_template()?;
+    let prompt = state.runtime.render(&messages)?;
     let times = HandlerTimes {
         received,
         parse: parsed - received,
@@ -194,7 +195,7 @@ async fn run(
     state: &AppState,
     flavor: Flavor,
     model: Option<String>,
-    prompt: Vec<u32>,
+    prompt: RuntimePrompt,
     prompt_field: &'static str,
     generation: Generation,
     times: HandlerTimes,
@@ -211,21 +212,23 @@ async fn run(
         )),
         (None, None) => None,
     };
+    // The longest reading of the prompt bounds what fits.
+    let prompt_len = prompt.longest();
     let limit = state.config.max_prompt_tokens;
-    if prompt.len() > limit {
+    if prompt_len > limit {
         return Err(ApiError::ContextLength {
-            prompt: prompt.len(),
+            prompt: prompt_len,
             limit,
             param: prompt_field,
         });
     }
     let context = state.runtime.context_length();
-    let room = context.saturating_sub(prompt.len());
+    let room = context.saturating_sub(prompt_len);
     let (max_tokens_field, max_tokens) = match generation.max_tokens {
         Some((field, n)) => (field, n),
-        None if room == 0 && !prompt.is_empty() => {
+        None if room == 0 && prompt_len > 0 => {
             return Err(ApiError::ContextLength {
-                prompt: prompt.len(),
+                prompt: prompt_len,
                 limit: context - 1,
                 param: prompt_field,
             })
@@ -239,7 +242,7 @@ async fn run(
                     state
                         .runtime
                         .request_token_limit()
-                        .saturating_sub(prompt.len()),
+                        .saturating_sub(prompt_len),
                 )
                 .max(1),
         ),
@@ -258,11 +261,16 @@ async fn run(
             RuntimeError::Invalid(InvalidRequest::EmptyPrompt) => {
                 ApiError::invalid(prompt_field, "the prompt is empty")
             }
+            RuntimeError::Invalid(e @ InvalidRequest::PromptVocabulary { .. }) => {
+                ApiError::invalid(prompt_field, e.to_string())
+            }
             RuntimeError::Invalid(e) => ApiError::invalid(max_tokens_field, e.to_string()),
             e => e.into(),
         })?;
     let request = match generation.logprobs {
-        Some(top) => request.with_logprobs(top),
+        Some(top) => request
+            .with_logprobs(top)
+            .map_err(|e| ApiError::invalid("logprobs", e.to_string()))?,
         None => request,
     };
     let request = match grammar {
@@ -301,7 +309,7 @@ async fn run(
     let progress = Progress::new(
         handle,
         slot,
-        state.runtime.spelling()?,
+        state.runtime.spellings()?,
         generation.stop,
         reply.model_names.len(),
         generation
@@ -326,8 +334,8 @@ struct Progress {
     /// Held until the response ends (or the client leaves).
     _slot: Slot,
     text: TextStream,
-    /// What each token spells.
-    spelling: Arc<Spelling>,
+    /// Per model, what each token of its vocabulary spells.
+    spellings: Vec<Arc<Spelling>>,
     tokens_per_model: Vec<usize>,
     /// Changes of writing model between consecutive tokens: the handoff count when a stop
     /// sequence ends the request before the runtime reports its own.
@@ -363,7 +371,7 @@ impl Progress {
     fn new(
         handle: RequestHandle,
         slot: Slot,
-        spelling: Arc<Spelling>,
+        spellings: Vec<Arc<Spelling>>,
         stop: Vec<String>,
         models: usize,
         call: Option<CallText>,
@@ -372,7 +380,7 @@ impl Progress {
             handle,
             _slot: slot,
             text: TextStream::new(stop),
-            spelling,
+            spellings,
             tokens_per_model: vec![0; models],
             model_changes: 0,
             last_model: None,
@@ -407,7 +415,8 @@ impl Progress {
                     *n += 1;
                 }
                 let started = Instant::now();
-                let delta = self.text.push(self.spelling.bytes(id));
+                let bytes = self.spellings.get(model).map_or(&[][..], |s| s.bytes(id));
+                let delta = self.text.push(bytes);
                 self.detokenize += started.elapsed();
                 self.sent_chars += delta.chars().count();
                 if self.text.stopped() {

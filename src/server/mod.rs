@@ -50,7 +50,7 @@ impl AppState {
         metrics: PrometheusHandle,
     ) -> Self {
         // Built now rather than by the first request (the tokenizer's spelling of its tokens).
-        if let Err(e) = runtime.spelling() {
+        if let Err(e) = runtime.spellings() {
             tracing::debug!("no token spelling: {e}");
         }
         let chat_template = runtime

@@ -14,6 +14,7 @@ use candle_core::{Device, Tensor};
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use tokenrouter::config::ModelConfig;
+use tokenrouter::engine::spelling::Spelling;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
 use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
 use tokenrouter::error::EngineResult;
@@ -187,6 +188,7 @@ pub fn collect(
     settings: &CollectSettings,
 ) -> anyhow::Result<Traces> {
     let tokenizer = ModelTokenizer::load_for(llm)?;
+    let slm_tokenizer = ModelTokenizer::load_for(slm)?;
     let all = answers::scorable(&answers::questions().map_err(anyhow::Error::msg)?);
     let mut chosen = Vec::new();
     for split in [Split::Train, Split::Heldout] {
@@ -198,6 +200,13 @@ pub fn collect(
     }
     let (indices, questions): (Vec<usize>, Vec<Scorable>) =
         chosen.into_iter().map(|(i, q)| (i, q.clone())).unzip();
+    if !slm_tokenizer.reads_like(&tokenizer) {
+        let pair = Pair {
+            llm: (llm, &tokenizer),
+            slm: (slm, &slm_tokenizer),
+        };
+        return collect_across_vocabularies(pair, &questions, &indices, settings);
+    }
     let prompts = chat_prompts(&tokenizer, &questions)?;
     let mut llm = Executor::load(llm)?;
     let budgets = vec![settings.max_tokens; prompts.len()];
@@ -275,4 +284,137 @@ fn divergence(
         divergent[r] = u8::from(!questions[rows[r].0].is_correct(&text));
     }
     Ok(divergent)
+}
+
+/// Two models, each with the tokenizer (and chat template) it reads.
+struct Pair<'a> {
+    llm: (&'a ModelConfig, &'a ModelTokenizer),
+    slm: (&'a ModelConfig, &'a ModelTokenizer),
+}
+
+/// `collect` for a pair of two vocabularies: the SLM is teacher-forced along its own reading
+/// of the LLM's answer text, and its token agrees where the text it spells continues that
+/// answer (or both end). A divergent row's continuation is the LLM's, after the text so far
+/// and the SLM's token re-read in the LLM's vocabulary.
+fn collect_across_vocabularies(
+    pair: Pair,
+    questions: &[Scorable],
+    indices: &[usize],
+    settings: &CollectSettings,
+) -> anyhow::Result<Traces> {
+    let (llm_config, llm_tokenizer) = pair.llm;
+    let (slm_config, slm_tokenizer) = pair.slm;
+    let llm_spelling = Spelling::new(llm_tokenizer)?;
+    let slm_spelling = Spelling::new(slm_tokenizer)?;
+    let llm_prompts = chat_prompts(llm_tokenizer, questions)?;
+    let slm_prompts = chat_prompts(slm_tokenizer, questions)?;
+    let mut llm = Executor::load(llm_config)?;
+    let budgets = vec![settings.max_tokens; questions.len()];
+    let answers = greedy_answers(&mut llm, &llm_prompts, &budgets, &llm_tokenizer.eos)?;
+    let ends = |a: &[u32]| a.last().is_some_and(|t| llm_tokenizer.eos.contains(t));
+    // Each answer's text, up to its last whole character.
+    let texts: Vec<String> = answers
+        .iter()
+        .map(|a| {
+            let bytes = llm_spelling.spell(a);
+            let whole = std::str::from_utf8(&bytes).map_or_else(|e| e.valid_up_to(), str::len);
+            String::from_utf8_lossy(&bytes[..whole]).into_owned()
+        })
+        .collect();
+    let slm_eos = slm_tokenizer
+        .eos
+        .first()
+        .copied()
+        .context("the SLM has no end token")?;
+    let mut slm_answers = Vec::with_capacity(texts.len());
+    for (text, answer) in texts.iter().zip(&answers) {
+        let mut read = slm_spelling.encode(text)?;
+        if ends(answer) {
+            read.push(slm_eos);
+        }
+        slm_answers.push(read);
+    }
+    let mut slm = Executor::load(slm_config)?;
+    let mut traces = Traces::empty(slm.hidden_size());
+    let needs = Needs {
+        hidden: true,
+        top_k: R2R_TOP_K,
+        embedding: true,
+    };
+    // Per row: question, the answer's byte offset before it, and the SLM's token.
+    let mut rows = Vec::new();
+    teacher_forced(
+        &mut slm,
+        &slm_prompts,
+        &slm_answers,
+        needs,
+        |i, position, out| {
+            let asked = "the executor returns what `needs` asks for";
+            traces.hidden.extend(out.hidden.as_ref().expect(asked));
+            traces
+                .embedding
+                .extend(out.candidate_embedding.as_ref().expect(asked));
+            padded_top_logits(&out.stats.top_k, &mut traces.top_logits);
+            traces.token.push(out.candidate);
+            let offset = slm_spelling.spell(&slm_answers[i][..position]).len();
+            let agrees = match slm_answers[i][position] {
+                end if slm_tokenizer.eos.contains(&end) => {
+                    slm_tokenizer.eos.contains(&out.candidate)
+                }
+                _ => {
+                    let spelled = slm_spelling.bytes(out.candidate);
+                    !spelled.is_empty() && texts[i].as_bytes()[offset..].starts_with(spelled)
+                }
+            };
+            traces.label.push(u8::from(!agrees));
+            traces
+                .heldout
+                .push(u8::from(questions[i].question.split == Split::Heldout));
+            traces.question.push(indices[i] as u32);
+            rows.push((i, offset, out.candidate, agrees));
+        },
+    )?;
+    drop(slm);
+    // Divergence: where the LLM's own answer was right and the SLM's token differs.
+    let correct: Vec<bool> = questions
+        .iter()
+        .zip(&texts)
+        .map(|(q, text)| q.is_correct(text))
+        .collect();
+    let judged: Vec<usize> = (0..rows.len())
+        .filter(|&r| correct[rows[r].0] && !rows[r].3)
+        .collect();
+    let (mut prefixes, mut written, mut continuation_budgets) =
+        (Vec::new(), Vec::new(), Vec::new());
+    for &r in &judged {
+        let (i, offset, token, _) = rows[r];
+        let mut text = texts[i].as_bytes()[..offset].to_vec();
+        let ends_here = slm_tokenizer.eos.contains(&token);
+        if !ends_here {
+            text.extend_from_slice(slm_spelling.bytes(token));
+        }
+        let text = String::from_utf8_lossy(&text).into_owned();
+        let read = llm_spelling.encode(&text)?;
+        continuation_budgets.push(match ends_here {
+            true => 0,
+            false => answers[i].len().saturating_sub(read.len()),
+        });
+        prefixes.push([&llm_prompts[i][..], &read].concat());
+        written.push(text);
+    }
+    let continuations = greedy_answers(
+        &mut llm,
+        &prefixes,
+        &continuation_budgets,
+        &llm_tokenizer.eos,
+    )?;
+    traces.divergent = vec![0; rows.len()];
+    for ((&r, text), continuation) in judged.iter().zip(&written).zip(&continuations) {
+        let whole = format!(
+            "{text}{}",
+            String::from_utf8_lossy(&llm_spelling.spell(continuation))
+        );
+        traces.divergent[r] = u8::from(!questions[rows[r].0].is_correct(&whole));
+    }
+    Ok(traces)
 }

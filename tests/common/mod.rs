@@ -702,7 +702,7 @@ pub fn greedy_request(
     seed: u64,
 ) -> tokenrouter::runtime::GenerateRequest {
     tokenrouter::runtime::GenerateRequest {
-        prompt: prompt.to_vec(),
+        prompt: prompt.to_vec().into(),
         policy: Some(policy.into()),
         max_tokens,
         sampling: tokenrouter::engine::SamplingParams {

@@ -651,8 +651,10 @@ impl BusSide {
                 .into_iter()
                 .map(|h| h.map(Arc::from))
                 .collect(),
-            // A deployment with models in other processes refuses structured output.
+            // A deployment with models in other processes refuses structured output and
+            // pairs across vocabularies.
             grammar: None,
+            cross: None,
         })
     }
 

@@ -5,12 +5,14 @@
 //! clock.
 
 mod budget;
+mod cross_vocab;
 mod gate;
 mod request;
 mod scheduler;
 mod stream_order;
 
 pub(crate) use budget::StepLimits;
+pub(crate) use cross_vocab::{CrossVocab, Vocabularies};
 pub use gate::ReleaseReason;
 pub(crate) use gate::{BatchGate, GateDecision};
 pub use request::{

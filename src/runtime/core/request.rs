@@ -1,10 +1,11 @@
 //! A request as the scheduling core sees it: routing state plus what travels with it.
 
+use super::cross_vocab::CrossVocab;
 use crate::config::PolicyConfig;
 use crate::constraint::RequestGrammar;
 use crate::engine::{SamplingParams, StepOutput};
 pub use crate::policy::RequestId;
-use crate::policy::{Handoff, RoutingState, SharedPolicy};
+use crate::policy::{Handoff, ModelIdx, RoutingState, SharedPolicy};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -107,6 +108,7 @@ impl From<u32> for Sampled {
 pub(crate) struct RequestParams {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// Tokens that end it (a request across vocabularies keeps each vocabulary's in `cross`).
     pub eos: Arc<BTreeSet<u32>>,
     /// The policy the request started with: later swaps do not affect it.
     pub policy: SharedPolicy,
@@ -135,11 +137,33 @@ pub(crate) struct InFlight<C> {
     /// Its output format's state (structured output): it travels with the request, so the
     /// model it moves to masks by the same grammar.
     pub grammar: Option<Arc<RequestGrammar>>,
+    /// Its text in each vocabulary, when its policy routes across vocabularies.
+    pub cross: Option<Box<CrossVocab>>,
 }
 
 impl<C> InFlight<C> {
     pub fn rid(&self) -> RequestId {
         self.state.rid
+    }
+
+    /// Whether `token`, written by `model`, ends the generation.
+    pub fn ends(&self, model: ModelIdx, token: u32) -> bool {
+        match &self.cross {
+            Some(cross) => cross.ends(model, token),
+            None => self.params.eos.contains(&token),
+        }
+    }
+
+    /// Committed tokens, each counted in the vocabulary of the model that wrote it.
+    pub fn completion_tokens(&self) -> usize {
+        self.stats.tokens_per_model.iter().sum()
+    }
+
+    /// The prompt's tokens in the vocabulary of the model the request entered at.
+    pub fn prompt_tokens(&self) -> usize {
+        self.cross
+            .as_ref()
+            .map_or(self.state.prompt_len, |cross| cross.prompt_tokens())
     }
 }
 

@@ -296,12 +296,13 @@ impl<C: Clone> ModelScheduler<C> {
         arrival.state.current = self.model;
         self.pending.remove(&rid);
         let mut seen = match self.seqs.get(&rid) {
-            // async/tokenrouter/lockstep: the request's KV is still here; append from `seen`.
+            // async/tokenrouter/lockstep: the request's KV is still here; append from `seen`
+            // (rolled back to it where a handoff across vocabularies re-read the text).
             Some(&seq)
                 if self.mode != ExecutionMode::Standard
-                    && kv.seq_len(seq) == arrival.state.seen[self.model] =>
+                    && kv.seq_len(seq) >= arrival.state.seen[self.model] =>
             {
-                kv.seq_len(seq)
+                kv.truncate(seq, arrival.state.seen[self.model])
             }
             // A new request, a return in `standard` mode (a new request there), or KV lost
             // meanwhile (preempted, the model restarted): the longest cached prefix.
@@ -630,7 +631,18 @@ impl<C: Clone> ModelScheduler<C> {
                 });
                 continue;
             }
-            let commits = !matches!(route, Route::RejectAndSwitch(_));
+            // Into another vocabulary only on a whole character: until then it stays, and
+            // keeps its candidate.
+            let here = self.model;
+            let may_leave = |r: &InFlight<C>, to| {
+                r.cross
+                    .as_ref()
+                    .is_none_or(|cross| cross.may_leave(here, to))
+            };
+            let (leave_to, commits) = match route {
+                Route::RejectAndSwitch(to) if !may_leave(&r, to) => (None, true),
+                route => (leave_to, !matches!(route, Route::RejectAndSwitch(_))),
+            };
             if commits {
                 if let Some(finish) = self.commit(&mut r, candidate, &mut effects) {
                     self.release_seq(kv, r.rid());
@@ -638,13 +650,17 @@ impl<C: Clone> ModelScheduler<C> {
                     continue;
                 }
             }
+            let leave_to = leave_to.filter(|&to| may_leave(&r, to));
             transitions.push((leave_to.unwrap_or(self.model), commits));
             match leave_to {
                 None => self.resident.push(r),
-                Some(to) => {
-                    let request = Box::new(self.hand_off(kv, r, to, now));
-                    effects.push(Effect::HandOff { to, request });
-                }
+                Some(to) => match self.hand_off(kv, r, to, now) {
+                    Ok(request) => effects.push(Effect::HandOff {
+                        to,
+                        request: Box::new(request),
+                    }),
+                    Err(failure) => effects.push(failure),
+                },
             }
         }
         (effects, transitions)
@@ -658,7 +674,7 @@ impl<C: Clone> ModelScheduler<C> {
         effects: &mut Vec<Effect<C>>,
     ) -> Option<Effect<C>> {
         let token = sampled.token;
-        let ends = r.params.eos.contains(&token);
+        let ends = r.ends(self.model, token);
         if let Some(grammar) = &r.grammar {
             let accepted = if ends {
                 grammar.error().map_or(Ok(()), Err)
@@ -677,36 +693,50 @@ impl<C: Clone> ModelScheduler<C> {
             Some(FinishReason::Stop)
         } else {
             r.state.tokens.push(token);
+            if let Some(cross) = &mut r.cross {
+                cross.commit(self.model, token);
+            }
             r.stats.tokens_per_model[self.model] += 1;
             effects.push(Effect::Commit {
                 client: r.client.clone(),
                 token,
-                index: r.state.generated().len() - 1,
+                index: r.completion_tokens() - 1,
                 logprobs: sampled.logprobs,
                 policy: r.params.policy.clone(),
             });
-            (r.state.generated().len() >= r.params.max_tokens).then_some(FinishReason::Length)
+            (r.completion_tokens() >= r.params.max_tokens).then_some(FinishReason::Length)
         };
         reason.map(|reason| Effect::Finish {
             client: r.client.clone(),
             reason,
             stats: r.stats.clone(),
             timing: r.timing,
-            prompt_tokens: r.state.prompt_len,
-            completion_tokens: r.state.generated().len(),
+            prompt_tokens: r.prompt_tokens(),
+            completion_tokens: r.completion_tokens(),
         })
     }
 
-    /// Packs a leaving request for `to` and marks it pending here (in `standard` mode, a
-    /// return is a new request: its KV goes to the prefix cache).
+    /// Packs a leaving request for `to` (in `to`'s vocabulary) and marks it pending here
+    /// (in `standard` mode, a return is a new request: its KV goes to the prefix cache).
+    /// Err: the failure of a request whose text `to`'s vocabulary cannot spell.
     fn hand_off(
         &mut self,
         kv: &mut impl KvOps,
         mut r: InFlight<C>,
         to: ModelIdx,
         now: Instant,
-    ) -> InFlight<C> {
+    ) -> Result<InFlight<C>, Effect<C>> {
         let rid = r.rid();
+        if let Some(cross) = &mut r.cross {
+            if let Err(message) = cross.enter(&mut r.state, to) {
+                self.release_seq(kv, rid);
+                return Err(Effect::Fail {
+                    client: r.client,
+                    message,
+                    kind: FailureKind::Fault,
+                });
+            }
+        }
         r.handoff = Some(r.params.policy.send(&r.state, to));
         r.stats.handoffs += 1;
         r.arrived = now;
@@ -716,7 +746,7 @@ impl<C: Clone> ModelScheduler<C> {
         } else {
             self.pending.insert(rid);
         }
-        r
+        Ok(r)
     }
 }
 
@@ -731,6 +761,7 @@ mod tests {
 
     const EOS: u32 = 0;
 
+    mod cross_vocab;
     mod fairness;
     mod grammar;
 
@@ -766,6 +797,7 @@ mod tests {
             timing: EngineTiming::default(),
             hosts: vec![None; 2],
             grammar: None,
+            cross: None,
         }
     }
 
