@@ -176,8 +176,9 @@ fn mean_nll(
     Ok(total / count.max(1) as f64)
 }
 
-/// The oracle router on the reference model's own answers: the small model writes a position
-/// exactly where its greedy token is the reference's, so the text is the reference's. Its
+/// The oracle router on the reference model's own answers (`answers`: in the small model's
+/// vocabulary, its reading of them where the two differ): the small model writes a position
+/// exactly where its greedy token is the answer's, so the text is the reference's. Its
 /// reference token share, and handoffs per 100 tokens (changes of writer).
 fn oracle_routing(
     small: &mut dyn StepExecutor,
@@ -347,14 +348,33 @@ pub async fn run(
             reference_answers = Some((rows.len() - 1, answer_tokens));
         }
     }
-    // The oracle compares the small model's tokens with the reference's: one vocabulary.
-    let small = (0..config.models.len()).find(|&m| {
-        config.models[m].name != settings.reference
-            && runtime.vocabulary_of(m) == reference_vocabulary
-    });
+    // The oracle teacher-forces the small model along its own reading of the reference's
+    // answers (their tokens, in one vocabulary; their text re-read, in two).
+    let small = (0..config.models.len()).find(|&m| config.models[m].name != settings.reference);
     if let (Some((row, answer_tokens)), Some(small)) = (reference_answers, small) {
+        let small_vocabulary = runtime.vocabulary_of(small);
+        let (small_prompts, small_answers) = match small_vocabulary == reference_vocabulary {
+            true => (forced_prompts, answer_tokens),
+            false => {
+                let spelling = runtime.spellings()?[small].clone();
+                let answers = rows[row]
+                    .answers
+                    .iter()
+                    .map(|a| spelling.encode(&a.text))
+                    .collect::<Result<_, _>>()?;
+                let prompts = prompts
+                    .iter()
+                    .map(|p| {
+                        p.in_vocabulary(small_vocabulary)
+                            .unwrap_or_default()
+                            .to_vec()
+                    })
+                    .collect();
+                (prompts, answers)
+            }
+        };
         let mut small = Executor::load(&forcing(&config.models[small]))?;
-        let (share, handoffs) = oracle_routing(&mut small, &forced_prompts, &answer_tokens)?;
+        let (share, handoffs) = oracle_routing(&mut small, &small_prompts, &small_answers)?;
         rows.push(QualityRow {
             served: "oracle".into(),
             reference_token_share: share,

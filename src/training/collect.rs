@@ -357,15 +357,13 @@ fn collect_across_vocabularies(
             padded_top_logits(&out.stats.top_k, &mut traces.top_logits);
             traces.token.push(out.candidate);
             let offset = slm_spelling.spell(&slm_answers[i][..position]).len();
-            let agrees = match slm_answers[i][position] {
-                end if slm_tokenizer.eos.contains(&end) => {
-                    slm_tokenizer.eos.contains(&out.candidate)
-                }
-                _ => {
-                    let spelled = slm_spelling.bytes(out.candidate);
-                    !spelled.is_empty() && texts[i].as_bytes()[offset..].starts_with(spelled)
-                }
-            };
+            let ends = |t: &u32| slm_tokenizer.eos.contains(t);
+            let agrees = continues_answer(
+                ends(&slm_answers[i][position]),
+                ends(&out.candidate),
+                slm_spelling.bytes(out.candidate),
+                &texts[i].as_bytes()[offset..],
+            );
             traces.label.push(u8::from(!agrees));
             traces
                 .heldout
@@ -417,4 +415,37 @@ fn collect_across_vocabularies(
         traces.divergent[r] = u8::from(!questions[rows[r].0].is_correct(&whole));
     }
     Ok(traces)
+}
+
+/// Whether a token of another vocabulary than the answer's agrees with it at a point where
+/// `rest` of the answer text is left: both end there, or it spells some of `rest`'s start.
+fn continues_answer(answer_ends: bool, token_ends: bool, spelled: &[u8], rest: &[u8]) -> bool {
+    match answer_ends {
+        true => token_ends,
+        false => !token_ends && !spelled.is_empty() && rest.starts_with(spelled),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::continues_answer;
+
+    #[test]
+    fn a_token_of_another_vocabulary_agrees_where_it_spells_the_answers_next_bytes() {
+        let rest = b" Tokyo.";
+        assert!(continues_answer(false, false, b" Tok", rest));
+        assert!(continues_answer(false, false, b" Tokyo.", rest));
+        assert!(!continues_answer(false, false, b" Kyoto", rest));
+        assert!(
+            !continues_answer(false, false, b" Tokyo. It", rest),
+            "past the answer"
+        );
+        assert!(
+            !continues_answer(false, false, b"", rest),
+            "a special token"
+        );
+        assert!(!continues_answer(false, true, b"", rest), "an early end");
+        assert!(continues_answer(true, true, b"", b""));
+        assert!(!continues_answer(true, false, b" And", b""));
+    }
 }
