@@ -261,3 +261,35 @@ fn the_hetero_pair_serves_whole_and_streamed_replies() {
     assert_eq!(status, 400, "{err}");
     assert_eq!(err["error"]["param"], "logprobs", "{err}");
 }
+
+/// The `std-serving` baseline's dispatcher hands the committed text between the two
+/// single-model servers as the runtime does: the same tokens from the same writers.
+#[test]
+fn std_serving_hands_the_text_over_as_the_runtime_does() {
+    if !both_models() {
+        return;
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["bench", "routing", "--config", CONFIG, "--policy", "r2r"])
+        .args(["--mode", "async,std-serving", "--concurrency", "2"])
+        .args(["--requests", "4", "--max-tokens", "12", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let cell = |mode: &str| rows.iter().find(|r| r["mode"] == mode).unwrap().clone();
+    let (runtime, dispatched) = (cell("async"), cell("std-serving"));
+    assert_eq!(dispatched["completed"], 4, "{dispatched}");
+    assert_eq!(runtime["outputs_digest"], dispatched["outputs_digest"]);
+    assert_eq!(runtime["token_share"], dispatched["token_share"]);
+    let share = runtime["token_share"].to_string();
+    assert!(
+        share.contains("gemma3-270m") && share.contains("smollm2-135m"),
+        "{share}"
+    );
+}

@@ -15,7 +15,6 @@ use super::std_serving::{self, Breakdown};
 use super::workloads::{self, Workload};
 use serde::Serialize;
 use std::cell::RefCell;
-use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -846,12 +845,6 @@ pub async fn run(
         first.tokenizer().map_err(|_| {
             anyhow::anyhow!("std-serving needs models with a tokenizer (real weights)")
         })?;
-        if first.has_several_vocabularies() {
-            anyhow::bail!(
-                "std-serving: its dispatcher passes token ids between single-model servers, \
-                 and these models read different vocabularies"
-            );
-        }
         for policy in &policies {
             let shared = registry.get(policy).expect("checked above");
             if let Some(why) = std_serving::unsupported(&shared) {
@@ -1024,21 +1017,13 @@ pub async fn run(
                         }
                         (Some(servers), None) => {
                             fresh_profiles = None;
-                            let std_cell = std_serving::Cell {
-                                policy: registry.get(policy).expect("checked above"),
-                                prompts: Arc::new(
-                                    prompts.iter().map(|p| p.tokens().to_vec()).collect(),
-                                ),
-                                concurrency,
-                                requests: settings.requests,
-                                max_tokens: settings.max_tokens,
-                                eos: if settings.workload.ignores_eos() {
-                                    BTreeSet::new()
-                                } else {
-                                    first.eos_tokens().clone()
-                                },
-                                vocab_size: first.tokenizer()?.vocab_size(),
-                            };
+                            let std_cell = std_serving::Cell::new(
+                                &first,
+                                registry.get(policy).expect("checked above"),
+                                &prompts,
+                                [concurrency, settings.requests, settings.max_tokens],
+                                settings.workload.ignores_eos(),
+                            )?;
                             let servers = servers.clone();
                             let started = Instant::now();
                             let (t, breakdown) = actix_rt::task::spawn_blocking(move || {

@@ -18,8 +18,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokenrouter::config::{Config, PolicyKind};
+use tokenrouter::engine::shared_text::SharedText;
+use tokenrouter::engine::spelling::Spelling;
 use tokenrouter::engine::LogitStats;
 use tokenrouter::policy::{RequestId, RequestInfo, Route, RoutingState, SharedPolicy, StepView};
+use tokenrouter::runtime::{Prompt, Runtime, RuntimeError};
 
 /// How long a single-model server may take to load its model and answer `/health`.
 const START_TIMEOUT: Duration = Duration::from_secs(180);
@@ -191,13 +194,61 @@ impl Breakdown {
 /// What every request of a cell shares.
 pub(super) struct Cell {
     pub policy: SharedPolicy,
-    pub prompts: Arc<Vec<Vec<u32>>>,
+    /// Per prompt, its tokens in each model's vocabulary.
+    pub prompts: Vec<Vec<Vec<u32>>>,
     pub concurrency: usize,
     pub requests: usize,
     pub max_tokens: usize,
-    /// End-of-sequence tokens that end a request (empty when the workload ignores them).
-    pub eos: BTreeSet<u32>,
-    pub vocab_size: usize,
+    /// Per model, the end-of-sequence tokens that end a request (empty when the workload
+    /// ignores them).
+    pub eos: Vec<BTreeSet<u32>>,
+    /// Per model, its vocabulary's size.
+    pub vocab_sizes: Vec<usize>,
+    /// Per model what its tokens spell, when the models read different vocabularies: the
+    /// dispatcher then hands the committed text over, as the runtime does.
+    pub spellings: Option<Vec<Arc<Spelling>>>,
+}
+
+impl Cell {
+    /// `[concurrency, requests, max_tokens]` requests of `policy` on `prompts`, as `runtime`'s
+    /// models read them.
+    pub fn new(
+        runtime: &Runtime,
+        policy: SharedPolicy,
+        prompts: &[Prompt],
+        [concurrency, requests, max_tokens]: [usize; 3],
+        ignore_eos: bool,
+    ) -> Result<Self, RuntimeError> {
+        let models = runtime.model_names().len();
+        let spellings = runtime.spellings()?;
+        let prompts = prompts
+            .iter()
+            .map(|p| {
+                (0..models)
+                    .map(|m| {
+                        p.in_vocabulary(runtime.vocabulary_of(m))
+                            .unwrap_or_default()
+                            .to_vec()
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(Self {
+            policy,
+            prompts,
+            concurrency,
+            requests,
+            max_tokens,
+            eos: (0..models)
+                .map(|m| match ignore_eos {
+                    true => BTreeSet::new(),
+                    false => runtime.eos_tokens(m).clone(),
+                })
+                .collect(),
+            vocab_sizes: spellings.iter().map(|s| s.words().len()).collect(),
+            spellings: runtime.has_several_vocabularies().then_some(spellings),
+        })
+    }
 }
 
 /// One call's answer: the token and its routing signals.
@@ -262,43 +313,56 @@ fn ask(
     }
 }
 
-/// One request, token by token, as the external dispatcher drives it.
+/// One request, token by token, as the external dispatcher drives it. Across vocabularies
+/// each model is sent its own prompt and its reading of the committed text (re-read from its
+/// last stable boundary, as the runtime does), and a handoff waits for a whole character.
 fn dispatch(
     agent: &ureq::Agent,
     endpoints: &[(String, String)],
     cell: &Cell,
     index: usize,
-    logits: &[f32],
+    logits: &[Vec<f32>],
     breakdown: &mut Breakdown,
 ) -> Result<super::routing::Followed, String> {
-    let prompt = cell.prompts[index % cell.prompts.len()].clone();
+    let prompts = &cell.prompts[index % cell.prompts.len()];
     let seed = index as u64;
-    let mut state = RoutingState::new(RequestId(index as u64), prompt, endpoints.len(), seed);
-    state.current = cell.policy.entry(&RequestInfo {
-        rid: state.rid,
-        prompt_len: state.prompt_len,
+    let rid = RequestId(index as u64);
+    let entry = cell.policy.entry(&RequestInfo {
+        rid,
+        prompt_len: prompts[0].len(),
         seed,
     });
+    let mut state = RoutingState::new(rid, prompts[entry].clone(), endpoints.len(), seed);
+    state.current = entry;
+    let mut text = cell
+        .spellings
+        .as_ref()
+        .map(|_| SharedText::new(endpoints.len()));
     let mut routing = tokenrouter::runtime::RoutingStats {
         tokens_per_model: vec![0; endpoints.len()],
         handoffs: 0,
     };
-    let (mut times, mut writers) = (Vec::new(), Vec::new());
-    while state.generated().len() < cell.max_tokens {
+    let (mut committed, mut times, mut writers) = (Vec::new(), Vec::new(), Vec::new());
+    while committed.len() < cell.max_tokens {
         let model = state.current;
+        if let (Some(text), Some(spellings)) = (&mut text, &cell.spellings) {
+            text.resync(model, &spellings[model])
+                .map_err(|e| e.to_string())?;
+            state.tokens = [&prompts[model][..], text.tokens(model)].concat();
+        }
         let answer = ask(agent, &endpoints[model], &state.tokens, seed, breakdown)?;
         let decided = Instant::now();
         let view = StepView {
             model,
             candidate: answer.id,
             stats: &answer.stats,
-            logits,
+            logits: &logits[model],
             hidden: None,
             embedding: None,
         };
         let route = cell.policy.route(&state, &view);
         breakdown.policy_ms += decided.elapsed().as_secs_f64() * 1e3;
-        let (commits, next) = match route {
+        let (mut commits, mut next) = match route {
             Route::Stay => (true, model),
             Route::CommitThenSwitch(to) => (true, to),
             Route::RejectAndSwitch(to) => (false, to),
@@ -306,22 +370,34 @@ fn dispatch(
         if next >= endpoints.len() {
             return Err(format!("the policy routed to model {next}"));
         }
-        if next != model {
-            routing.handoffs += 1;
+        let inside_character =
+            |text: &Option<SharedText>| text.as_ref().is_some_and(|t| !t.at_char_boundary());
+        if next != model && inside_character(&text) {
+            (commits, next) = (true, model);
         }
-        state.current = next;
         if commits {
-            if cell.eos.contains(&answer.id) {
+            if cell.eos[model].contains(&answer.id) {
                 break;
             }
             state.tokens.push(answer.id);
+            if let (Some(text), Some(spellings)) = (&mut text, &cell.spellings) {
+                text.commit(model, answer.id, &spellings[model]);
+            }
+            committed.push(answer.id);
             routing.tokens_per_model[model] += 1;
             writers.push(model);
             times.push(Instant::now());
         }
+        if next != model && inside_character(&text) {
+            next = model;
+        }
+        if next != model {
+            routing.handoffs += 1;
+        }
+        state.current = next;
     }
     Ok(super::routing::Followed {
-        tokens: state.generated().to_vec(),
+        tokens: committed,
         writers,
         routing,
         times,
@@ -335,7 +411,7 @@ pub(super) fn run_cell(servers: &Servers, cell: Cell) -> (Tally, Breakdown) {
     let breakdown = Mutex::new(Breakdown::default());
     let endpoints = servers.endpoints.clone();
     // The dispatcher sees no logits, only their count (R-Stitch normalises by it).
-    let logits = vec![0.0f32; cell.vocab_size];
+    let logits: Vec<Vec<f32>> = cell.vocab_sizes.iter().map(|&n| vec![0.0; n]).collect();
     std::thread::scope(|scope| {
         for _ in 0..cell.concurrency {
             scope.spawn(|| {

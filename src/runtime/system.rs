@@ -644,10 +644,9 @@ impl Runtime {
             .collect())
     }
 
-    /// The tokens that end a generation in the first model's vocabulary (unless it ignores
-    /// them).
-    pub fn eos_tokens(&self) -> &BTreeSet<u32> {
-        &self.eos[0]
+    /// The tokens that end a generation of `model` (unless it ignores them).
+    pub fn eos_tokens(&self, model: usize) -> &BTreeSet<u32> {
+        &self.eos[self.tokenizers.of(model)]
     }
 
     /// Whether some model reads another vocabulary than the first.
