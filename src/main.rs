@@ -110,6 +110,10 @@ struct RouterTrainArgs {
     /// R2R's rule, reported beside: keep this recall of the positions the SLM gets wrong.
     #[arg(long, default_value_t = 0.95)]
     target_recall: f64,
+    /// R2R: train on standardised inputs (top logits relative to the largest), folded into
+    /// the saved weights, which still read raw inputs.
+    #[arg(long)]
+    standardize_inputs: bool,
     #[arg(long)]
     json: bool,
 }
@@ -992,6 +996,7 @@ fn run_router_train(args: RouterTrainArgs) -> anyhow::Result<()> {
         seed: args.seed,
         target_share: args.target_share,
         target_recall: args.target_recall,
+        standardize_inputs: args.standardize_inputs,
     };
     let report = training::train::train(&traces, &settings, &args.out)?;
     if args.json {

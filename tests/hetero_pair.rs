@@ -191,7 +191,7 @@ fn mixing_policies_on_two_vocabularies_fail_at_start_up_with_the_reason() {
     }
 }
 
-/// Over HTTP, whole and streamed, `r2r` hands off both ways: the streamed text is the whole
+/// Over HTTP, whole and streamed, the shipped `r2r` (its learned router) hands off both ways: the streamed text is the whole
 /// reply's, usage counts the committed tokens, and token-id prompts or logprobs, which name
 /// one vocabulary, are refused with a 400.
 #[test]
@@ -208,7 +208,7 @@ fn the_hetero_pair_serves_whole_and_streamed_replies() {
     std::fs::write(&path, text).unwrap();
     let server = common::server::Server::start(&path);
     let body = serde_json::json!({
-        "model": "r2r-1.5",
+        "model": "r2r",
         "messages": [{"role": "user", "content": PROMPTS[0]}],
         "max_tokens": 32,
         "temperature": 0,
@@ -244,7 +244,7 @@ fn the_hetero_pair_serves_whole_and_streamed_replies() {
         .collect();
     assert_eq!(text, content);
 
-    let ids = serde_json::json!({"model": "r2r-1.5", "prompt": [1, 2, 3], "max_tokens": 4});
+    let ids = serde_json::json!({"model": "r2r", "prompt": [1, 2, 3], "max_tokens": 4});
     let (status, err) = server.post("/v1/completions", &ids);
     assert_eq!(status, 400, "{err}");
     assert!(
@@ -271,7 +271,14 @@ fn std_serving_hands_the_text_over_as_the_runtime_does() {
     }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["bench", "routing", "--config", CONFIG, "--policy", "r2r"])
+        .args([
+            "bench",
+            "routing",
+            "--config",
+            CONFIG,
+            "--policy",
+            "r2r-entropy",
+        ])
         .args(["--mode", "async,std-serving", "--concurrency", "2"])
         .args(["--requests", "4", "--max-tokens", "12", "--json"])
         .output()

@@ -869,8 +869,9 @@ pub async fn run(
         let mut fresh_profiles: Option<Vec<Option<StepCost>>> = None;
         let prompts = Rc::new(workloads::prompts(&first, settings.workload, round)?);
         // The reference's greedy outputs for this round's prompts (batched steps give the
-        // tokens of unbatched ones, so it runs at the largest concurrency).
-        let mut reference = if first.tokenizer().is_ok() {
+        // tokens of unbatched ones, so it runs at the largest concurrency). Agreement is by
+        // position and token id: none across vocabularies.
+        let mut reference = if first.tokenizer().is_ok() && !first.has_several_vocabularies() {
             let n = settings.concurrency.iter().copied().max().unwrap_or(1);
             closed_loop(
                 first.clone(),

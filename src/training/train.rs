@@ -60,6 +60,8 @@ pub struct TrainSettings {
     pub target_share: f64,
     /// R2R's own rule, reported beside: the threshold keeping this recall of label-1 rows.
     pub target_recall: f64,
+    /// R2R: train on standardised inputs, folded into the saved weights (`InputScale`).
+    pub standardize_inputs: bool,
 }
 
 /// How a threshold does on one set of rows.
@@ -104,11 +106,21 @@ struct Batch {
 }
 
 impl Batch {
-    fn of(traces: &Traces, label: Label, rows: &[usize]) -> candle_core::Result<Self> {
-        let pick = |data: &[f32], width: usize| {
+    /// `rows` of `traces`, as `scale` standardises them (raw without one).
+    fn of(
+        traces: &Traces,
+        label: Label,
+        rows: &[usize],
+        scale: Option<&InputScale>,
+    ) -> candle_core::Result<Self> {
+        let pick = |data: &[f32], width: usize, standard: Option<&Standard>| {
             let mut out = Vec::with_capacity(rows.len() * width);
             for &r in rows {
-                out.extend_from_slice(&data[r * width..(r + 1) * width]);
+                let row = &data[r * width..(r + 1) * width];
+                match standard {
+                    Some(standard) => out.extend(standard.apply(row)),
+                    None => out.extend_from_slice(row),
+                }
             }
             Tensor::from_vec(out, (rows.len(), width), &Device::Cpu)
         };
@@ -116,12 +128,123 @@ impl Batch {
         let labels: Vec<u8> = rows.iter().map(|&r| label.of(traces)[r]).collect();
         let flagged: Vec<f32> = labels.iter().map(|&l| f32::from(l)).collect();
         Ok(Batch {
-            hidden: pick(&traces.hidden, h)?,
-            embedding: pick(&traces.embedding, h)?,
-            top_logits: pick(&traces.top_logits, R2R_TOP_K)?,
+            hidden: pick(&traces.hidden, h, scale.map(|s| &s.hidden))?,
+            embedding: pick(&traces.embedding, h, scale.map(|s| &s.embedding))?,
+            top_logits: pick(&traces.top_logits, R2R_TOP_K, scale.map(|s| &s.top_logits))?,
             flagged: Tensor::from_vec(flagged, rows.len(), &Device::Cpu)?,
             labels,
         })
+    }
+}
+
+/// Per feature, the shift and scale that standardise it over the fitting rows.
+struct Standard {
+    mean: Vec<f32>,
+    /// 1/σ (0 for a constant feature).
+    inv_std: Vec<f32>,
+    /// Whether each row is first taken relative to its first (largest) value.
+    relative_to_first: bool,
+}
+
+impl Standard {
+    fn fit(data: &[f32], width: usize, rows: &[usize], relative_to_first: bool) -> Self {
+        let mut standard = Self {
+            mean: vec![0.0; width],
+            inv_std: vec![1.0; width],
+            relative_to_first,
+        };
+        let (mut sum, mut squares) = (vec![0.0f64; width], vec![0.0f64; width]);
+        for &r in rows {
+            for (k, v) in standard
+                .apply(&data[r * width..(r + 1) * width])
+                .enumerate()
+            {
+                sum[k] += v as f64;
+                squares[k] += (v as f64).powi(2);
+            }
+        }
+        let n = rows.len().max(1) as f64;
+        for k in 0..width {
+            let mean = sum[k] / n;
+            let std = (squares[k] / n - mean * mean).max(0.0).sqrt();
+            standard.mean[k] = mean as f32;
+            standard.inv_std[k] = if std > 1e-6 { (1.0 / std) as f32 } else { 0.0 };
+        }
+        standard
+    }
+
+    fn apply<'a>(&'a self, row: &'a [f32]) -> impl Iterator<Item = f32> + 'a {
+        let first = if self.relative_to_first { row[0] } else { 0.0 };
+        row.iter()
+            .zip(self.mean.iter().zip(&self.inv_std))
+            .map(move |(&v, (&mean, &inv))| (v - first - mean) * inv)
+    }
+
+    /// Folds the standardisation into the `[out, width]` weight columns `columns` of `w`
+    /// (row-major, `in_width` wide) and into bias `b`: the layer then reads raw values.
+    fn fold(&self, w: &mut [f32], in_width: usize, columns: usize, b: &mut [f32]) {
+        for (row, bias) in w.chunks_mut(in_width).zip(b.iter_mut()) {
+            let scaled: Vec<f32> = (0..self.mean.len())
+                .map(|k| row[columns + k] * self.inv_std[k])
+                .collect();
+            *bias -= scaled
+                .iter()
+                .zip(&self.mean)
+                .map(|(w, m)| w * m)
+                .sum::<f32>();
+            for (k, &w) in scaled.iter().enumerate() {
+                row[columns + k] = w;
+            }
+            if self.relative_to_first {
+                row[columns] -= scaled.iter().sum::<f32>();
+            }
+        }
+    }
+}
+
+/// R2R's inputs standardised while it trains (hidden states and embeddings per feature,
+/// the top logits relative to the largest), folded into its first layers when it is saved,
+/// so the shipped router reads raw inputs as R2R's does. Raw top logits share a large offset
+/// per row that the router would otherwise have to learn to ignore.
+struct InputScale {
+    hidden: Standard,
+    embedding: Standard,
+    top_logits: Standard,
+}
+
+impl InputScale {
+    fn fit(traces: &Traces, rows: &[usize]) -> Self {
+        let h = traces.hidden_size;
+        Self {
+            hidden: Standard::fit(&traces.hidden, h, rows, false),
+            embedding: Standard::fit(&traces.embedding, h, rows, false),
+            top_logits: Standard::fit(&traces.top_logits, R2R_TOP_K, rows, true),
+        }
+    }
+
+    /// R2R weights trained on standardised inputs, as weights that read raw ones.
+    fn fold(
+        &self,
+        mut weights: HashMap<String, Tensor>,
+    ) -> candle_core::Result<HashMap<String, Tensor>> {
+        let mut layer = |name: &str, folds: &[(&Standard, usize)]| -> candle_core::Result<()> {
+            let w = &weights[&format!("{name}.weight")];
+            let (out, in_width) = w.dims2()?;
+            let mut w_values = w.flatten_all()?.to_vec1::<f32>()?;
+            let mut b_values = weights[&format!("{name}.bias")].to_vec1::<f32>()?;
+            for &(standard, columns) in folds {
+                standard.fold(&mut w_values, in_width, columns, &mut b_values);
+            }
+            let w = Tensor::from_vec(w_values, (out, in_width), &Device::Cpu)?;
+            let b = Tensor::from_vec(b_values, out, &Device::Cpu)?;
+            weights.insert(format!("{name}.weight"), w);
+            weights.insert(format!("{name}.bias"), b);
+            Ok(())
+        };
+        let h = self.hidden.mean.len();
+        layer("topk_proj", &[(&self.top_logits, 0)])?;
+        layer("input_proj", &[(&self.hidden, 0), (&self.embedding, h)])?;
+        Ok(weights)
     }
 }
 
@@ -392,25 +515,36 @@ pub fn train(traces: &Traces, settings: &TrainSettings, out: &Path) -> anyhow::R
         ..Default::default()
     };
     let mut optimizer = AdamW::new(trainable, params)?;
-    let validation_batch = Batch::of(traces, settings.label, &validation)?;
-    let validation_labels = &validation_batch.labels;
+    let scale = (settings.kind == RouterKind::R2r && settings.standardize_inputs)
+        .then(|| InputScale::fit(traces, &fit));
+    let validation_batch = Batch::of(traces, settings.label, &validation, scale.as_ref())?;
     let mut rng = StdRng::seed_from_u64(settings.seed);
     let mut best: Option<(f64, usize, HashMap<String, Tensor>)> = None;
     for epoch in 1..=settings.epochs {
         fit.shuffle(&mut rng);
         for rows in fit.chunks(settings.batch) {
-            let batch = Batch::of(traces, settings.label, rows)?;
+            let batch = Batch::of(traces, settings.label, rows, scale.as_ref())?;
             let (logits, target) = net.logits(&batch, rows.len() > 1)?;
             optimizer.backward_step(&bce_with_logits(&logits, &target)?)?;
         }
-        let score = auc(&net.llm_scores(&validation_batch)?, validation_labels);
+        let score = auc(
+            &net.llm_scores(&validation_batch)?,
+            &validation_batch.labels,
+        );
         tracing::info!("epoch {epoch}: validation AUC {score:.4}");
         if best.as_ref().is_none_or(|(b, _, _)| score > *b) {
             best = Some((score, epoch, snapshot(&varmap)?));
         }
     }
     let (validation_auc, best_epoch, weights) = best.context("--epochs must be positive")?;
+    let weights = match &scale {
+        Some(scale) => scale.fold(weights)?,
+        None => weights,
+    };
     restore_as_saved(&varmap, &weights)?;
+    // From here the router reads raw inputs, as it will when it serves.
+    let validation_batch = Batch::of(traces, settings.label, &validation, None)?;
+    let validation_labels = &validation_batch.labels;
     let validation_scores = net.llm_scores(&validation_batch)?;
     let share_threshold = threshold_for_share(&validation_scores, settings.target_share);
     let recall_threshold = threshold_for_recall(
@@ -418,7 +552,7 @@ pub fn train(traces: &Traces, settings: &TrainSettings, out: &Path) -> anyhow::R
         validation_labels,
         settings.target_recall,
     );
-    let heldout_batch = Batch::of(traces, settings.label, &heldout)?;
+    let heldout_batch = Batch::of(traces, settings.label, &heldout, None)?;
     let heldout_scores = net.llm_scores(&heldout_batch)?;
     let heldout_labels = &heldout_batch.labels;
     let share_rule = measure(
@@ -530,6 +664,7 @@ mod tests {
             seed: 1,
             target_share: 0.5,
             target_recall: 0.95,
+            standardize_inputs: kind == RouterKind::R2r,
         }
     }
 
@@ -616,6 +751,45 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("collect more questions"), "{err}");
+    }
+
+    /// A layer folded with a standardisation reads raw rows as the unfolded one reads them
+    /// standardised (per feature, and relative to each row's first value).
+    #[test]
+    fn a_folded_standardisation_reads_raw_inputs_exactly() {
+        let data: Vec<f32> = (0..24).map(|i| ((i * 7 % 11) as f32) * 1.5 - 3.0).collect();
+        let (width, rows) = (4, [0, 1, 2, 3, 4, 5]);
+        for relative in [false, true] {
+            let standard = Standard::fit(&data, width, &rows, relative);
+            // Two outputs over [2 leading columns, the 4 standardised features].
+            let in_width = 2 + width;
+            let w: Vec<f32> = (0..2 * in_width).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b = vec![0.5f32, -1.0];
+            let (mut folded_w, mut folded_b) = (w.clone(), b.clone());
+            standard.fold(&mut folded_w, in_width, 2, &mut folded_b);
+            for r in rows {
+                let raw = &data[r * width..(r + 1) * width];
+                let lead = [0.25f32, -2.0];
+                let standardised: Vec<f32> =
+                    lead.iter().copied().chain(standard.apply(raw)).collect();
+                let as_read: Vec<f32> = lead.iter().chain(raw).copied().collect();
+                for o in 0..2 {
+                    let dot = |w: &[f32], x: &[f32], b: f32| {
+                        b + w[o * in_width..(o + 1) * in_width]
+                            .iter()
+                            .zip(x)
+                            .map(|(w, x)| w * x)
+                            .sum::<f32>()
+                    };
+                    let want = dot(&w, &standardised, b[o]);
+                    let got = dot(&folded_w, &as_read, folded_b[o]);
+                    assert!(
+                        (want - got).abs() < 1e-4,
+                        "relative {relative}: {want} {got}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
