@@ -754,3 +754,45 @@ async fn a_worker_batch_completes_when_the_live_count_falls() {
     }
     rt.shutdown();
 }
+
+/// Over the bus every routed model must read one vocabulary: the hetero pair (Gemma 3 here,
+/// SmolLM2 in a worker) is refused at start-up with the vocabulary named, not served wrongly.
+#[actix_rt::test]
+async fn a_pair_of_two_vocabularies_over_the_bus_is_refused_at_start_up() {
+    let (Some(_), Some(_)) = (common::real_model(), common::real_gemma3()) else {
+        return;
+    };
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config/hetero-pair.toml"))
+        .unwrap()
+        .replace("path = \"", &format!("path = \"{}/", root.display()))
+        .replace(
+            "chat_template = \"",
+            &format!("chat_template = \"{}/", root.display()),
+        )
+        .replace("router = \"", &format!("router = \"{}/", root.display()))
+        .replace(
+            "weights = \"stored\"",
+            "weights = \"stored\"\nplacement = \"remote\"",
+        );
+    let text = format!(
+        "{text}\n[cluster]\nurl = \"nats://127.0.0.1:{}\"\nheartbeat_ms = 500\n\
+         join_timeout_ms = 30000\n",
+        nats.port
+    );
+    let path = dir.path().join("hetero-bus.toml");
+    std::fs::write(&path, &text).unwrap();
+    let mut frontend = Config::parse(&text).unwrap();
+    frontend.cluster.as_mut().unwrap().token = Some(TOKEN.into());
+    let _worker = Worker::start(&path, "smollm2-135m", TOKEN);
+    let err = Runtime::start(&frontend, None)
+        .map(|_| ())
+        .expect_err("two vocabularies over the bus");
+    let message = err.to_string();
+    assert!(
+        message.contains("vocabulary") && message.contains("[cluster]"),
+        "{message}"
+    );
+}
