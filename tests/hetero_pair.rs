@@ -260,6 +260,18 @@ fn the_hetero_pair_serves_whole_and_streamed_replies() {
     let (status, err) = server.post("/v1/chat/completions", &logprobs);
     assert_eq!(status, 400, "{err}");
     assert_eq!(err["error"]["param"], "logprobs", "{err}");
+
+    // A model of the second vocabulary alone: its log-probabilities name its own tokens.
+    logprobs["model"] = "smollm2-135m".into();
+    let (status, alone) = server.post("/v1/chat/completions", &logprobs);
+    assert_eq!(status, 200, "{alone}");
+    let tokens: String = alone["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["token"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(tokens, alone["choices"][0]["message"]["content"], "{alone}");
 }
 
 /// The `std-serving` baseline's dispatcher hands the committed text between the two

@@ -126,6 +126,8 @@ pub struct ValidRequest {
     across_vocabularies: bool,
     /// What `usage` reports (`Runtime::prompt_tokens`).
     prompt_tokens: usize,
+    /// The vocabulary of the policy's first model.
+    vocabulary: usize,
     policy: SharedPolicy,
     policy_spec: Option<Arc<PolicyConfig>>,
     max_tokens: usize,
@@ -142,6 +144,11 @@ impl ValidRequest {
         self.prompt_tokens
     }
 
+    /// The vocabulary of the policy's first model (`Runtime::tokenizer_of` reads it).
+    pub fn vocabulary(&self) -> usize {
+        self.vocabulary
+    }
+
     /// Reports each committed token's log-probability, `top` alternatives' and the
     /// distribution's entropy (`RequestEvent::Token::logprobs`). Refused across
     /// vocabularies: ids of two vocabularies would read as one.
@@ -156,7 +163,8 @@ impl ValidRequest {
     }
 }
 
-/// One generation as submitted to the runtime (token ids in, token ids out).
+/// One generation as submitted to the runtime: its prompt in each vocabulary the models
+/// read (token ids: the first model's), token ids out.
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub prompt: Prompt,
@@ -630,6 +638,14 @@ impl Runtime {
         self.tokenizers.first().ok_or_else(no_tokenizer)
     }
 
+    /// Vocabulary `v`'s tokenizer (`ValidRequest::vocabulary`, `Runtime::vocabulary_of`).
+    pub fn tokenizer_of(&self, v: usize) -> Result<&Arc<ModelTokenizer>, RuntimeError> {
+        match v < self.tokenizers.count() {
+            true => Ok(self.tokenizers.tokenizer(v)),
+            false => Err(no_tokenizer()),
+        }
+    }
+
     /// Per model, the bytes each token of its vocabulary spells (built by the first caller:
     /// ~0.2 s for 49k tokens, ~1 s for 262k).
     pub fn spellings(&self) -> Result<Vec<Arc<Spelling>>, RuntimeError> {
@@ -835,6 +851,10 @@ impl Runtime {
         }
         Ok(ValidRequest {
             across_vocabularies: self.tokenizers.spans(policy.models()),
+            vocabulary: policy
+                .models()
+                .first()
+                .map_or(0, |&m| self.tokenizers.of(m)),
             prompt_tokens: self.prompt_tokens(&request.prompt, &policy),
             prompt: request.prompt,
             policy_spec: registry.spec(policy.name()),
@@ -917,6 +937,7 @@ impl Runtime {
         let ValidRequest {
             prompt,
             across_vocabularies: _,
+            vocabulary: _,
             prompt_tokens,
             policy,
             policy_spec,

@@ -281,10 +281,11 @@ async fn run(
         None => request,
     };
     let prompt_tokens = request.prompt_tokens();
+    // Log-probabilities name the served vocabulary's tokens.
+    let tokenizer = state.runtime.tokenizer_of(request.vocabulary())?.clone();
     let slot = state.admission.enter().await?;
     let handle = state.runtime.launch(request);
     let handle_rid = handle.rid;
-    let tokenizer = state.tokenizer()?.clone();
     let reply = Reply {
         flavor,
         id: match flavor {
