@@ -29,7 +29,8 @@ fn both_models() -> bool {
     common::real_model().is_some() && common::real_gemma3().is_some()
 }
 
-/// The shipped hetero pair with one `r2r` per threshold, and `colm`/`me` entries appended
+/// The shipped hetero pair with one `r2r` per threshold and a training-free `citer` and
+/// `rstitch` (each hands off both ways on these prompts), and `colm`/`me` entries appended
 /// when `mixing` names one.
 fn config_text(mixing: Option<&str>) -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -38,6 +39,12 @@ fn config_text(mixing: Option<&str>) -> String {
         text += &format!(
             "\n[[policies]]\nname = \"r2r-{t}\"\nkind = \"r2r\"\n\
              models = [\"gemma3-270m\", \"smollm2-135m\"]\nthreshold = {t}\n"
+        );
+    }
+    for (kind, threshold) in [("citer", 0.4), ("rstitch", 0.15)] {
+        text += &format!(
+            "\n[[policies]]\nname = \"{kind}\"\nkind = \"{kind}\"\n\
+             models = [\"gemma3-270m\", \"smollm2-135m\"]\nthreshold = {threshold}\n"
         );
     }
     if let Some(kind) = mixing {
@@ -66,20 +73,24 @@ fn config(mixing: Option<&str>) -> Config {
 
 async fn run_all(rt: &Runtime, max_tokens: usize) -> Vec<(String, Completion)> {
     let mut handles = Vec::new();
-    for t in THRESHOLDS {
+    let policies = THRESHOLDS
+        .iter()
+        .map(|t| format!("r2r-{t}"))
+        .chain(["citer".into(), "rstitch".into()]);
+    for policy in policies {
         for text in PROMPTS {
             let prompt = rt
                 .render(&[tokenrouter::engine::chat::ChatMessage::user(text)])
                 .unwrap();
             let request = GenerateRequest {
                 prompt,
-                policy: Some(format!("r2r-{t}")),
+                policy: Some(policy.clone()),
                 max_tokens,
                 sampling: SamplingParams::greedy(),
                 timeout: None,
                 ignore_eos: false,
             };
-            handles.push((format!("r2r-{t} {text:?}"), rt.submit(request).unwrap()));
+            handles.push((format!("{policy} {text:?}"), rt.submit(request).unwrap()));
         }
     }
     let mut out = Vec::new();
@@ -101,7 +112,8 @@ async fn wait_for_zero_kv(rt: &Runtime, mode: ExecutionMode) {
     }
 }
 
-/// Every mode commits the same tokens from the same writers; the committed bytes are
+/// R2R, CITER and R-Stitch across the two vocabularies: every mode commits the same tokens
+/// from the same writers; the committed bytes are
 /// whole UTF-8 (an unfinished character only where `max_tokens` cut it), each writer's
 /// tokens counted to it; the pair hands off in both directions; KV returns to 0.
 #[actix_rt::test]
