@@ -16,7 +16,9 @@ use std::path::Path;
 use tokenrouter::config::ModelConfig;
 use tokenrouter::engine::spelling::Spelling;
 use tokenrouter::engine::tokenizer::ModelTokenizer;
-use tokenrouter::engine::{Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor};
+use tokenrouter::engine::{
+    Executor, Needs, SamplingParams, SeqId, SeqWork, StepExecutor, StepOutput,
+};
 use tokenrouter::error::EngineResult;
 use tokenrouter::policy::learned::{padded_top_logits, R2R_TOP_K};
 
@@ -45,7 +47,29 @@ pub struct Traces {
     pub question: Vec<u32>,
 }
 
+/// What the SLM's teacher-forced steps return: everything R2R's and CITER's routers read.
+const ROUTER_NEEDS: Needs = Needs {
+    hidden: true,
+    top_k: R2R_TOP_K,
+    embedding: true,
+};
+
 impl Traces {
+    /// One position's row: the SLM's step `out` (run with `ROUTER_NEEDS`), whether its token
+    /// differs from the LLM's, and the question it belongs to.
+    fn push_row(&mut self, out: &StepOutput, differs: bool, question: &Scorable, index: usize) {
+        let asked = "the executor returns what `ROUTER_NEEDS` asks for";
+        self.hidden.extend(out.hidden.as_ref().expect(asked));
+        self.embedding
+            .extend(out.candidate_embedding.as_ref().expect(asked));
+        padded_top_logits(&out.stats.top_k, &mut self.top_logits);
+        self.token.push(out.candidate);
+        self.label.push(u8::from(differs));
+        self.heldout
+            .push(u8::from(question.question.split == Split::Heldout));
+        self.question.push(index as u32);
+    }
+
     fn empty(hidden_size: usize) -> Self {
         Traces {
             hidden_size,
@@ -214,28 +238,17 @@ pub fn collect(
     let mut slm = Executor::load(slm)?;
     let mut traces = Traces::empty(slm.hidden_size());
     let mut positions = Vec::new();
-    let needs = Needs {
-        hidden: true,
-        top_k: R2R_TOP_K,
-        embedding: true,
-    };
-    teacher_forced(&mut slm, &prompts, &answers, needs, |i, position, out| {
-        let asked = "the executor returns what `needs` asks for";
-        traces.hidden.extend(out.hidden.as_ref().expect(asked));
-        traces
-            .embedding
-            .extend(out.candidate_embedding.as_ref().expect(asked));
-        padded_top_logits(&out.stats.top_k, &mut traces.top_logits);
-        traces.token.push(out.candidate);
-        traces
-            .label
-            .push(u8::from(out.candidate != answers[i][position]));
-        traces
-            .heldout
-            .push(u8::from(questions[i].question.split == Split::Heldout));
-        traces.question.push(indices[i] as u32);
-        positions.push((i, position, out.candidate));
-    })?;
+    teacher_forced(
+        &mut slm,
+        &prompts,
+        &answers,
+        ROUTER_NEEDS,
+        |i, position, out| {
+            let differs = out.candidate != answers[i][position];
+            traces.push_row(out, differs, &questions[i], indices[i]);
+            positions.push((i, position, out.candidate));
+        },
+    )?;
     drop(slm);
     traces.divergent = divergence(
         &mut llm, &tokenizer, &questions, &prompts, &answers, &positions,
@@ -336,26 +349,14 @@ fn collect_across_vocabularies(
     }
     let mut slm = Executor::load(slm_config)?;
     let mut traces = Traces::empty(slm.hidden_size());
-    let needs = Needs {
-        hidden: true,
-        top_k: R2R_TOP_K,
-        embedding: true,
-    };
     // Per row: question, the answer's byte offset before it, and the SLM's token.
     let mut rows = Vec::new();
     teacher_forced(
         &mut slm,
         &slm_prompts,
         &slm_answers,
-        needs,
+        ROUTER_NEEDS,
         |i, position, out| {
-            let asked = "the executor returns what `needs` asks for";
-            traces.hidden.extend(out.hidden.as_ref().expect(asked));
-            traces
-                .embedding
-                .extend(out.candidate_embedding.as_ref().expect(asked));
-            padded_top_logits(&out.stats.top_k, &mut traces.top_logits);
-            traces.token.push(out.candidate);
             let offset = slm_spelling.spell(&slm_answers[i][..position]).len();
             let ends = |t: &u32| slm_tokenizer.eos.contains(t);
             let agrees = continues_answer(
@@ -364,11 +365,7 @@ fn collect_across_vocabularies(
                 slm_spelling.bytes(out.candidate),
                 &texts[i].as_bytes()[offset..],
             );
-            traces.label.push(u8::from(!agrees));
-            traces
-                .heldout
-                .push(u8::from(questions[i].question.split == Split::Heldout));
-            traces.question.push(indices[i] as u32);
+            traces.push_row(out, !agrees, &questions[i], indices[i]);
             rows.push((i, offset, out.candidate, agrees));
         },
     )?;
