@@ -191,6 +191,30 @@ fn gemma3_forward_matches_candle_transformers_past_the_sliding_window() {
     assert!(diff < 1e-4, "prefill against decode: {diff}");
 }
 
+/// A KV budget shorter than the sequences it holds: positions a window behind cost only the
+/// global layer, so two 80-position sequences decode in 48 positions of budget each, their
+/// local layers' old blocks evicted and freed, to the tokens and logits of an ample budget.
+#[test]
+fn gemma3_decodes_past_its_kv_budget_as_local_blocks_are_evicted() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Arch::Gemma3);
+    let path = common::write_gguf(&dir.path().join("gemma3.gguf"), &spec, GgmlDType::Q8_0);
+    let seqs = [(1, prompt(20, 4)), (2, prompt(19, 5))];
+    let with_budget = |kv_tokens: usize| {
+        let mut config = common::model_config("tiny", &path);
+        config.kv_tokens = kv_tokens;
+        let mut executor = Executor::load(&config).unwrap();
+        let out = common::decode_together(&mut executor, &seqs, 60);
+        assert_eq!(executor.kv().usage().used_tokens, 0);
+        out
+    };
+    let tight = with_budget(96);
+    let ample = with_budget(4096);
+    assert_eq!(tight, ample);
+    // Without the window's eviction 2 × 80 positions would not fit 96.
+    assert!(seqs.iter().map(|s| s.1.len() + 60).sum::<usize>() > 96);
+}
+
 #[test]
 fn safetensors_directory_matches_gguf_of_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();

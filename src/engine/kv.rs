@@ -10,6 +10,13 @@
 //! which holds tokens stays cached, evictable in LRU order.
 //! Reserving happens before a step touches anything, so exhaustion is a typed error the
 //! scheduler can act on (wait, preempt, reject), never a half-applied step.
+//!
+//! A model whose local layers attend over a sliding window (Gemma 3) splits each block in two
+//! parts: its global layers' and its local layers'. Once every sequence holding a block has
+//! moved a window past it, the local part is read by no one and becomes evictable on its own
+//! (kept, and counted free, until its memory is needed), so long contexts cost mostly the
+//! global layers. A prefix or a rollback resumes only where the next position's window still
+//! has every local part it reads.
 
 use crate::error::{EngineError, EngineResult};
 use std::collections::{BTreeSet, HashMap};
@@ -44,9 +51,33 @@ pub struct BlockCopy {
 type NodeId = u64;
 const ROOT: NodeId = 0;
 
+/// The layers of a model that keep only a sliding window of positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlidingWindow {
+    /// Position p of a local layer reads p − window + 1 ..= p.
+    pub window: usize,
+    /// All layers of the model, and how many of them are local.
+    pub layers: usize,
+    pub local_layers: usize,
+}
+
+/// Which part of a block an evictable entry frees: the local layers' alone, or the whole
+/// (unreferenced) block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Part {
+    Local,
+    Whole,
+}
+
 struct Block {
     /// Sequences whose table holds this block.
     refs: u32,
+    /// Of those, the sequences a window past it (its local part is read by the others only).
+    passed: u32,
+    /// Whether the local layers' part still holds data (always false without local layers).
+    local_present: bool,
+    /// When the local part became unread (its place in the LRU order of eviction).
+    local_released_at: u64,
     /// The tokens of the positions written so far (`BLOCK_TOKENS` when full).
     tokens: Vec<u32>,
     /// The node of the previous block of the chain (`ROOT` for a first block).
@@ -59,6 +90,31 @@ struct Block {
 struct SeqTable {
     len: usize,
     blocks: Vec<BlockId>,
+    /// Leading blocks of `blocks` a window behind `len` (none without local layers).
+    passed: usize,
+}
+
+impl SeqTable {
+    fn empty() -> Self {
+        Self {
+            len: 0,
+            blocks: Vec::new(),
+            passed: 0,
+        }
+    }
+}
+
+/// What a block's parts cost of the budget, in layers (a block without local layers: 1).
+#[derive(Debug, Clone, Copy)]
+struct BlockUnits {
+    global: usize,
+    local: usize,
+}
+
+impl BlockUnits {
+    fn full(&self) -> usize {
+        self.global + self.local
+    }
 }
 
 /// Usage counters, in tokens (block-granular).
@@ -91,8 +147,17 @@ pub struct KvStore {
     free_slots: Vec<BlockId>,
     /// Blocks that hold tokens, by the node they follow.
     children: HashMap<NodeId, Vec<BlockId>>,
-    /// Unreferenced blocks holding tokens, oldest release first.
-    evictable: BTreeSet<(u64, BlockId)>,
+    /// Unreferenced blocks holding tokens and unread local parts, oldest release first.
+    evictable: BTreeSet<(u64, BlockId, Part)>,
+    window: Option<usize>,
+    units: BlockUnits,
+    /// The budget, and what the parts holding data and the parts some sequence reads take of
+    /// it, in `units`.
+    capacity_units: usize,
+    allocated_units: usize,
+    referenced_units: usize,
+    /// Blocks whose local part was evicted since the backend last asked (it frees them).
+    evicted_local: Vec<BlockId>,
     seqs: HashMap<SeqId, SeqTable>,
     next_node: NodeId,
     clock: u64,
@@ -102,12 +167,41 @@ pub struct KvStore {
 
 impl KvStore {
     pub fn new(kv_tokens: usize) -> Self {
+        Self::with_window(kv_tokens, None)
+    }
+
+    /// A budget of `kv_tokens` positions of every layer; with a sliding window, positions
+    /// behind it cost only the global layers' share.
+    pub fn with_window(kv_tokens: usize, window: Option<SlidingWindow>) -> Self {
+        let capacity_blocks = kv_tokens.div_ceil(BLOCK_TOKENS);
+        let (window, units) = match window {
+            Some(w) if w.local_layers > 0 => (
+                Some(w.window.max(1)),
+                BlockUnits {
+                    global: w.layers - w.local_layers,
+                    local: w.local_layers,
+                },
+            ),
+            _ => (
+                None,
+                BlockUnits {
+                    global: 1,
+                    local: 0,
+                },
+            ),
+        };
         Self {
-            capacity_blocks: kv_tokens.div_ceil(BLOCK_TOKENS),
+            capacity_blocks,
             blocks: Vec::new(),
             free_slots: Vec::new(),
             children: HashMap::new(),
             evictable: BTreeSet::new(),
+            window,
+            units,
+            capacity_units: capacity_blocks * units.full(),
+            allocated_units: 0,
+            referenced_units: 0,
+            evicted_local: Vec::new(),
             seqs: HashMap::new(),
             next_node: ROOT + 1,
             clock: 0,
@@ -129,21 +223,41 @@ impl KvStore {
         self.capacity_blocks
     }
 
-    fn allocated_blocks(&self) -> usize {
-        self.blocks.len() - self.free_slots.len()
-    }
-
-    fn referenced_blocks(&self) -> usize {
-        self.allocated_blocks() - self.evictable.len()
+    /// Whole blocks' worth of `units`, as tokens (rounded down).
+    fn tokens_of(&self, units: usize) -> usize {
+        units / self.units.full() * BLOCK_TOKENS
     }
 
     pub fn usage(&self) -> KvUsage {
+        let capacity_tokens = self.capacity_blocks * BLOCK_TOKENS;
         KvUsage {
-            used_tokens: self.referenced_blocks() * BLOCK_TOKENS,
-            cached_tokens: self.evictable.len() * BLOCK_TOKENS,
-            capacity_tokens: self.capacity_blocks * BLOCK_TOKENS,
+            used_tokens: capacity_tokens - self.free_tokens(),
+            cached_tokens: self.tokens_of(self.allocated_units - self.referenced_units),
+            capacity_tokens,
             sequences: self.seqs.len(),
         }
+    }
+
+    /// The longest sequence the whole budget holds with nothing else running (with a
+    /// sliding window, longer than the budget).
+    pub fn longest_sequence(&self) -> usize {
+        // A sequence's n-th block is reserved while it has passed what its first n − 1 blocks
+        // put a window behind: those cost their global part only.
+        let units_of = |blocks: usize| {
+            let behind = self.blocks_behind(blocks.saturating_sub(1) * BLOCK_TOKENS);
+            blocks * self.units.full() - behind * self.units.local
+        };
+        let mut blocks = self.capacity_blocks;
+        while units_of(blocks + 1) <= self.capacity_units {
+            blocks += 1;
+        }
+        blocks * BLOCK_TOKENS
+    }
+
+    /// The blocks whose local layers' data was evicted since the last call: the backend may
+    /// free it (no sequence reads it again; a block reused later is not listed).
+    pub fn take_evicted_local(&mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.evicted_local)
     }
 
     pub fn prefix_counters(&self) -> PrefixCounters {
@@ -164,9 +278,10 @@ impl KvStore {
         self.seqs.get(&seq).map_or(&[], |s| s.blocks.as_slice())
     }
 
-    /// Tokens of capacity a reservation may take: free blocks and evictable cached ones.
+    /// Tokens of capacity a reservation may take: free blocks and evictable cached ones
+    /// (and unread local parts).
     pub fn free_tokens(&self) -> usize {
-        (self.capacity_blocks - self.referenced_blocks()) * BLOCK_TOKENS
+        self.tokens_of(self.capacity_units - self.referenced_units)
     }
 
     /// Capacity `reserve` would take to append `new_tokens` to `seq` (whole blocks).
@@ -199,20 +314,17 @@ impl KvStore {
             .iter()
             .map(|&(seq, n)| self.blocks_needed(seq, n))
             .sum();
-        let free = self.capacity_blocks - self.referenced_blocks();
-        if needed > free {
+        let free = self.free_tokens();
+        if needed * BLOCK_TOKENS > free {
             return Err(EngineError::KvExhausted {
                 requested: needed * BLOCK_TOKENS,
-                free: free * BLOCK_TOKENS,
+                free,
                 capacity: self.capacity_blocks * BLOCK_TOKENS,
             });
         }
         for &(seq, n) in requests {
             let extra = self.blocks_needed(seq, n);
-            self.seqs.entry(seq).or_insert_with(|| SeqTable {
-                len: 0,
-                blocks: Vec::new(),
-            });
+            self.seqs.entry(seq).or_insert_with(SeqTable::empty);
             for _ in 0..extra {
                 let parent = self.tail_node(seq);
                 let id = self.allocate(parent).expect("counted as free above");
@@ -231,44 +343,57 @@ impl KvStore {
 
     /// A fresh, referenced block following `parent`; `None` when every block is referenced.
     fn allocate(&mut self, parent: NodeId) -> Option<BlockId> {
-        let id = match self.free_slots.pop() {
-            Some(id) => id,
-            None if self.blocks.len() < self.capacity_blocks => {
-                self.blocks.push(None);
-                (self.blocks.len() - 1) as BlockId
+        let full = self.units.full();
+        while self.allocated_units + full > self.capacity_units {
+            if !self.evict_one() {
+                return None;
             }
-            None => {
-                if !self.evict_one() {
-                    return None;
-                }
-                self.free_slots.pop().expect("eviction freed a slot")
-            }
-        };
+        }
+        let id = self.free_slots.pop().unwrap_or_else(|| {
+            self.blocks.push(None);
+            (self.blocks.len() - 1) as BlockId
+        });
+        // Its storage is in use again: not to be freed for an earlier eviction.
+        self.evicted_local.retain(|&b| b != id);
         let node = self.next_node;
         self.next_node += 1;
         self.blocks[id as usize] = Some(Block {
             refs: 1,
+            passed: 0,
+            local_present: self.window.is_some(),
+            local_released_at: 0,
             tokens: Vec::with_capacity(BLOCK_TOKENS),
             parent,
             node,
             released_at: 0,
         });
+        self.allocated_units += full;
+        self.referenced_units += full;
         Some(id)
     }
 
-    /// Evicts the least recently released cached block (and the cached blocks after it,
-    /// which no lookup could reach any more). False when nothing is cached.
+    /// Evicts the least recently released evictable part: an unread local part, or a cached
+    /// block (and the cached blocks after it, which no lookup could reach any more). False
+    /// when nothing is evictable.
     fn evict_one(&mut self) -> bool {
-        let Some(&(_, id)) = self.evictable.first() else {
+        let Some(&(released_at, id, part)) = self.evictable.first() else {
             return false;
         };
-        self.remove_cached(id);
+        match part {
+            Part::Whole => self.remove_cached(id),
+            Part::Local => {
+                self.evictable.remove(&(released_at, id, part));
+                self.block_mut(id).local_present = false;
+                self.allocated_units -= self.units.local;
+                self.evicted_local.push(id);
+            }
+        }
         true
     }
 
     fn remove_cached(&mut self, id: BlockId) {
         let released_at = self.block(id).released_at;
-        self.evictable.remove(&(released_at, id));
+        self.evictable.remove(&(released_at, id, Part::Whole));
         self.counters.evictions += 1;
         self.drop_block(id);
     }
@@ -277,6 +402,13 @@ impl KvStore {
     /// and the cached blocks after it (no lookup could reach them any more) evicted.
     fn drop_block(&mut self, id: BlockId) {
         let block = self.blocks[id as usize].take().expect("a live block");
+        self.allocated_units -= self.units.global;
+        if block.local_present {
+            // Unreferenced, so its local part was evictable.
+            self.evictable
+                .remove(&(block.local_released_at, id, Part::Local));
+            self.allocated_units -= self.units.local;
+        }
         self.unlink(id, block.parent);
         self.free_slots.push(id);
         for child in self.children.remove(&block.node).unwrap_or_default() {
@@ -295,19 +427,25 @@ impl KvStore {
         }
     }
 
-    /// Drops one reference: a block nobody references is cached if it holds tokens (and
-    /// sharing is on), freed otherwise.
-    fn release(&mut self, id: BlockId) {
+    /// Drops one reference (of a sequence a window past the block where `passed`): a block
+    /// nobody references is cached if it holds tokens (and sharing is on), freed otherwise.
+    fn release(&mut self, id: BlockId, passed: bool) {
         self.clock += 1;
         let (clock, sharing) = (self.clock, self.sharing);
+        let was_read = self.local_read(id);
         let block = self.block_mut(id);
         block.refs -= 1;
-        if block.refs > 0 {
+        block.passed -= u32::from(passed);
+        let unreferenced = block.refs == 0;
+        self.settle_local(id, was_read);
+        if !unreferenced {
             return;
         }
+        self.referenced_units -= self.units.global;
+        let block = self.block_mut(id);
         if sharing && !block.tokens.is_empty() {
             block.released_at = clock;
-            self.evictable.insert((clock, id));
+            self.evictable.insert((clock, id, Part::Whole));
         } else {
             self.drop_block(id);
         }
@@ -315,11 +453,97 @@ impl KvStore {
 
     /// Takes one more reference to `id` (out of the evictable set if it was there).
     fn retain(&mut self, id: BlockId) {
+        let was_read = self.local_read(id);
         let block = self.block_mut(id);
         block.refs += 1;
         if block.refs == 1 {
-            let key = (block.released_at, id);
+            let key = (block.released_at, id, Part::Whole);
             self.evictable.remove(&key);
+            self.referenced_units += self.units.global;
+        }
+        self.settle_local(id, was_read);
+    }
+
+    /// Whether some holder of `id` still reads its local part.
+    fn local_read(&self, id: BlockId) -> bool {
+        let block = self.block(id);
+        block.local_present && block.passed < block.refs
+    }
+
+    /// Moves `id`'s local part into or out of the evictable set after its holders changed.
+    fn settle_local(&mut self, id: BlockId, was_read: bool) {
+        let read = self.local_read(id);
+        if read == was_read || !self.block(id).local_present {
+            return;
+        }
+        let local = self.units.local;
+        if read {
+            let key = (self.block(id).local_released_at, id, Part::Local);
+            self.evictable.remove(&key);
+            self.referenced_units += local;
+        } else {
+            self.clock += 1;
+            let clock = self.clock;
+            self.block_mut(id).local_released_at = clock;
+            self.evictable.insert((clock, id, Part::Local));
+            self.referenced_units -= local;
+        }
+    }
+
+    /// Leading blocks no position from `len` on reads in a local layer (0 without them).
+    fn blocks_behind(&self, len: usize) -> usize {
+        self.window
+            .map_or(0, |w| (len + 1).saturating_sub(w) / BLOCK_TOKENS)
+    }
+
+    /// Marks the blocks `seq` has moved a window past as passed by it.
+    fn pass_window(&mut self, seq: SeqId) {
+        let Some(table) = self.seqs.get(&seq) else {
+            return;
+        };
+        let (from, behind) = (table.passed, self.blocks_behind(table.len));
+        if behind <= from {
+            return;
+        }
+        let newly: Vec<BlockId> = table.blocks[from..behind].to_vec();
+        for id in newly {
+            let was_read = self.local_read(id);
+            self.block_mut(id).passed += 1;
+            self.settle_local(id, was_read);
+        }
+        self.seqs.get_mut(&seq).expect("checked").passed = behind;
+    }
+
+    /// Un-passes the blocks of `seq` from `behind` on (a rollback brings them back into its
+    /// window).
+    fn unpass_from(&mut self, seq: SeqId, behind: usize) {
+        let Some(table) = self.seqs.get(&seq) else {
+            return;
+        };
+        if table.passed <= behind {
+            return;
+        }
+        let back: Vec<BlockId> = table.blocks[behind..table.passed].to_vec();
+        for id in back {
+            let was_read = self.local_read(id);
+            self.block_mut(id).passed -= 1;
+            self.settle_local(id, was_read);
+        }
+        self.seqs.get_mut(&seq).expect("checked").passed = behind;
+    }
+
+    /// The longest `len' <= len` the chain `blocks` can go on from: every local part the
+    /// position `len'` reads still holds its data.
+    fn resumable(&self, blocks: &[BlockId], mut len: usize) -> usize {
+        loop {
+            let read = self.blocks_behind(len)..len.div_ceil(BLOCK_TOKENS);
+            let gone = read
+                .rev()
+                .find(|&j| self.window.is_some() && !self.block(blocks[j]).local_present);
+            match gone {
+                Some(j) => len = j * BLOCK_TOKENS,
+                None => return len,
+            }
         }
     }
 
@@ -345,6 +569,7 @@ impl KvStore {
             }
         }
         self.seqs.get_mut(&seq).expect("checked").len += tokens.len();
+        self.pass_window(seq);
     }
 
     /// Starts sequence `seq` (unknown or empty) on the longest cached prefix of `tokens`:
@@ -353,18 +578,20 @@ impl KvStore {
     /// Returns the positions matched and the copy the backend must make.
     pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> (usize, Option<BlockCopy>) {
         self.free(seq);
-        self.seqs.insert(
-            seq,
-            SeqTable {
-                len: 0,
-                blocks: Vec::new(),
-            },
-        );
+        self.seqs.insert(seq, SeqTable::empty());
         if !self.sharing {
             return (0, None);
         }
         self.counters.lookups += 1;
-        let (full, partial) = self.longest_prefix(tokens);
+        let (mut full, mut partial) = self.longest_prefix(tokens);
+        let chain: Vec<BlockId> = full.iter().copied().chain(partial.map(|p| p.0)).collect();
+        let longest = full.len() * BLOCK_TOKENS + partial.map_or(0, |p| p.1);
+        let resumable = self.resumable(&chain, longest);
+        if resumable < longest {
+            // A local part the next position reads was evicted: its blocks are recomputed.
+            full.truncate(resumable / BLOCK_TOKENS);
+            partial = None;
+        }
         for &id in &full {
             self.retain(id);
         }
@@ -387,6 +614,14 @@ impl KvStore {
             }
         }
         self.seqs.get_mut(&seq).expect("inserted").len = matched;
+        // Where the copy found no block, the match ends earlier and its window reaches
+        // further back.
+        let resumable = self.resumable(self.table(seq), matched);
+        let matched = match resumable < matched {
+            true => self.truncate(seq, resumable).0,
+            false => matched,
+        };
+        self.pass_window(seq);
         if matched > 0 {
             self.counters.hits += 1;
             self.counters.hit_tokens += matched as u64;
@@ -415,7 +650,7 @@ impl KvStore {
                 positions,
             }
         });
-        self.release(from);
+        self.release(from, false);
         copy
     }
 
@@ -456,7 +691,8 @@ impl KvStore {
 
     /// Forgets positions from `len` on. A cut inside a full (possibly shared) block moves
     /// the kept part to a private copy; where no block is left for it, the cut moves back
-    /// to the block's start. Returns the length kept and the copy to make.
+    /// to the block's start, as it does past a block whose local part the window would read
+    /// but was evicted. Returns the length kept and the copy to make.
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> (usize, Option<BlockCopy>) {
         let Some(table) = self.seqs.get(&seq) else {
             return (0, None);
@@ -464,11 +700,14 @@ impl KvStore {
         if len >= table.len {
             return (table.len, None);
         }
+        let len = self.resumable(&table.blocks, len);
+        self.unpass_from(seq, self.blocks_behind(len));
+        let table = &self.seqs[&seq];
         let keep = len.div_ceil(BLOCK_TOKENS);
         let dropped = table.blocks[keep..].to_vec();
         let blocks = table.blocks[..keep].to_vec();
         for id in dropped.into_iter().rev() {
-            self.release(id);
+            self.release(id, false);
         }
         let table = self.seqs.get_mut(&seq).expect("checked");
         table.blocks = blocks;
@@ -485,10 +724,19 @@ impl KvStore {
         }
         self.seqs.get_mut(&seq).expect("checked").blocks.pop();
         let copy = self.append_copy(seq, last, within);
-        self.release(last);
-        let kept = if copy.is_some() { len } else { len - within };
-        self.seqs.get_mut(&seq).expect("checked").len = kept;
-        (kept, copy)
+        self.release(last, false);
+        if copy.is_some() {
+            return (len, copy);
+        }
+        // No block for the copy: back to the block's start, whose window reaches further.
+        let start = len - within;
+        self.seqs.get_mut(&seq).expect("checked").len = start;
+        self.unpass_from(seq, self.blocks_behind(start));
+        let kept = self.resumable(self.table(seq), start);
+        if kept < start {
+            return self.truncate(seq, kept);
+        }
+        (start, None)
     }
 
     /// Drops a sequence: its blocks stay cached for later prefixes where they hold tokens.
@@ -496,8 +744,8 @@ impl KvStore {
     pub fn free(&mut self, seq: SeqId) {
         if let Some(table) = self.seqs.remove(&seq) {
             // Tail first, so that under pressure a chain is evicted from its end.
-            for id in table.blocks.into_iter().rev() {
-                self.release(id);
+            for (index, id) in table.blocks.into_iter().enumerate().rev() {
+                self.release(id, index < table.passed);
             }
         }
     }
@@ -509,6 +757,9 @@ impl KvStore {
         self.children.clear();
         self.evictable.clear();
         self.seqs.clear();
+        self.allocated_units = 0;
+        self.referenced_units = 0;
+        self.evicted_local.clear();
     }
 }
 
@@ -715,6 +966,210 @@ mod tests {
         kv.free(SeqId(1));
         assert_eq!(kv.usage().cached_tokens, 0);
         assert_eq!(kv.prefix_counters().lookups, 0);
+    }
+
+    /// Two layers, one of them local with a window of 8 positions.
+    fn windowed(kv_tokens: usize) -> KvStore {
+        KvStore::with_window(
+            kv_tokens,
+            Some(SlidingWindow {
+                window: 8,
+                layers: 2,
+                local_layers: 1,
+            }),
+        )
+    }
+
+    /// Recomputes from the tables and blocks what the counters and the evictable set must
+    /// be, and checks that every sequence's next position reads only local parts that hold
+    /// data.
+    fn check_window_invariants(kv: &KvStore) {
+        let mut holders: HashMap<BlockId, (u32, u32)> = HashMap::new();
+        for table in kv.seqs.values() {
+            assert_eq!(table.passed, kv.blocks_behind(table.len));
+            assert_eq!(kv.resumable(&table.blocks, table.len), table.len);
+            for (index, &id) in table.blocks.iter().enumerate() {
+                let entry = holders.entry(id).or_default();
+                entry.0 += 1;
+                entry.1 += u32::from(index < table.passed);
+            }
+        }
+        let units = kv.units;
+        let (mut allocated, mut referenced) = (0, 0);
+        let mut evictable = BTreeSet::new();
+        for (id, block) in kv.blocks.iter().enumerate() {
+            let Some(block) = block else { continue };
+            let id = id as BlockId;
+            let held = holders.get(&id).copied().unwrap_or_default();
+            assert_eq!((block.refs, block.passed), held, "block {id}");
+            allocated += units.global;
+            if block.refs > 0 {
+                referenced += units.global;
+            } else {
+                evictable.insert((block.released_at, id, Part::Whole));
+            }
+            if block.local_present {
+                allocated += units.local;
+                if block.passed < block.refs {
+                    referenced += units.local;
+                } else {
+                    evictable.insert((block.local_released_at, id, Part::Local));
+                }
+            }
+        }
+        assert_eq!(kv.allocated_units, allocated);
+        assert_eq!(kv.referenced_units, referenced);
+        assert_eq!(kv.evictable, evictable);
+        assert!(allocated <= kv.capacity_units);
+    }
+
+    #[test]
+    fn positions_a_window_behind_cost_only_the_global_layers() {
+        let mut kv = windowed(4 * BLOCK_TOKENS);
+        // 4 blocks of 2 units; 40 positions: blocks 0 and 1 lie a window behind.
+        write(&mut kv, 1, &run(1, 40));
+        check_window_invariants(&kv);
+        assert_eq!(kv.seqs[&SeqId(1)].passed, 2);
+        assert_eq!(kv.free_tokens(), 2 * BLOCK_TOKENS, "8 - 3·2 + 2·1 units");
+        // Without the window the budget is full at 64 positions; with it a sequence goes on
+        // while its old local parts are evicted (and listed for the backend to free).
+        write(&mut kv, 1, &run(41, 40));
+        check_window_invariants(&kv);
+        assert_eq!(kv.seq_len(SeqId(1)), 80);
+        let evicted = kv.take_evicted_local();
+        assert_eq!(evicted, kv.table(SeqId(1))[..2].to_vec());
+        assert!(kv.take_evicted_local().is_empty());
+        let err = kv.reserve(&[(SeqId(2), 2 * BLOCK_TOKENS)]).unwrap_err();
+        assert!(matches!(err, EngineError::KvExhausted { .. }), "{err}");
+        kv.free(SeqId(1));
+        check_window_invariants(&kv);
+        assert_eq!(kv.usage().used_tokens, 0);
+    }
+
+    #[test]
+    fn the_longest_sequence_fits_the_budget_alone() {
+        assert_eq!(
+            KvStore::new(4 * BLOCK_TOKENS).longest_sequence(),
+            4 * BLOCK_TOKENS
+        );
+        for blocks in [1, 2, 4, 9] {
+            let mut kv = windowed(blocks * BLOCK_TOKENS);
+            let longest = kv.longest_sequence();
+            assert!(longest >= blocks * BLOCK_TOKENS);
+            for position in 0..longest {
+                kv.reserve(&[(SeqId(1), 1)]).unwrap();
+                kv.advance(SeqId(1), &[position as u32]);
+            }
+            assert!(
+                kv.reserve(&[(SeqId(1), 1)]).is_err(),
+                "{blocks} blocks: {longest} is the longest"
+            );
+        }
+    }
+
+    #[test]
+    fn a_shared_block_keeps_its_local_part_while_one_holder_reads_it() {
+        let mut kv = windowed(1024);
+        let prompt = run(1, 3 * BLOCK_TOKENS);
+        write(&mut kv, 1, &prompt);
+        // Sequence 2 shares the first two blocks and stops just after them.
+        let (matched, _) = kv.attach_prefix(SeqId(2), &prompt[..2 * BLOCK_TOKENS]);
+        assert_eq!(matched, 2 * BLOCK_TOKENS);
+        let first = kv.table(SeqId(1))[0];
+        let second = kv.table(SeqId(1))[1];
+        assert!(kv.local_read(second), "sequence 2's window reads block 1");
+        assert!(!kv.local_read(first), "both are past block 0");
+        write(&mut kv, 2, &run(500, BLOCK_TOKENS));
+        assert!(!kv.local_read(second));
+        kv.free(SeqId(2));
+        check_window_invariants(&kv);
+        // A new holder inside the window makes a passed part read again.
+        let (matched, _) = kv.attach_prefix(SeqId(3), &prompt[..BLOCK_TOKENS + 4]);
+        assert_eq!(matched, BLOCK_TOKENS + 4);
+        assert!(kv.local_read(first));
+        check_window_invariants(&kv);
+    }
+
+    #[test]
+    fn a_prefix_resumes_only_where_its_window_kept_its_local_parts() {
+        let mut kv = windowed(3 * BLOCK_TOKENS);
+        let prompt = run(1, 3 * BLOCK_TOKENS);
+        write(&mut kv, 1, &prompt);
+        kv.free(SeqId(1));
+        // Cached whole: the same prompt resumes from its end.
+        assert_eq!(kv.attach_prefix(SeqId(2), &prompt).0, prompt.len());
+        // The local parts of its first two blocks are unread, and evicted for a newcomer's
+        // block.
+        write(&mut kv, 3, &run(900, BLOCK_TOKENS));
+        assert_eq!(kv.take_evicted_local(), kv.table(SeqId(2))[..2].to_vec());
+        kv.free(SeqId(2));
+        check_window_invariants(&kv);
+        // Position 18's window reads block 0, so the match stops before it; position 48's
+        // reads block 2 only.
+        assert_eq!(kv.attach_prefix(SeqId(4), &prompt[..BLOCK_TOKENS + 2]).0, 0);
+        assert_eq!(kv.attach_prefix(SeqId(5), &prompt).0, prompt.len());
+        check_window_invariants(&kv);
+        // A rollback whose window would read block 0 goes back to its start.
+        assert_eq!(kv.truncate(SeqId(5), 20), (0, None));
+        check_window_invariants(&kv);
+    }
+
+    /// Random writes, prefix attaches, rollbacks and frees over a tight budget: the counters,
+    /// the evictable set and every sequence's readable window stay consistent, and no copy
+    /// is asked from a block whose local part is gone.
+    #[test]
+    fn random_work_keeps_the_window_accounting_consistent() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let (mut evicted, mut cut_short) = (0, 0);
+        for seed in 0..40 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut kv = windowed(rng.gen_range(3..12) * BLOCK_TOKENS);
+            let stories: Vec<Vec<u32>> = (0..3).map(|k| run(k * 1000, 200)).collect();
+            let mut story_of: HashMap<u64, usize> = HashMap::new();
+            for _ in 0..300 {
+                let seq = rng.gen_range(0..5u64);
+                let len = kv.seq_len(SeqId(seq));
+                match rng.gen_range(0..10) {
+                    0..=4 => {
+                        let story = *story_of.entry(seq).or_insert(rng.gen_range(0..3));
+                        let n = rng.gen_range(1..24).min(200 - len);
+                        if kv.reserve(&[(SeqId(seq), n)]).is_ok() {
+                            kv.advance(SeqId(seq), &stories[story][len..len + n]);
+                        }
+                    }
+                    5 | 6 => {
+                        let story = rng.gen_range(0..3);
+                        story_of.insert(seq, story);
+                        let upto = rng.gen_range(0..120);
+                        let (matched, copy) = kv.attach_prefix(SeqId(seq), &stories[story][..upto]);
+                        assert!(matched <= upto);
+                        if let Some(copy) = copy {
+                            assert!(kv.block(copy.from).local_present, "seed {seed}");
+                        }
+                    }
+                    7 | 8 if len > 0 => {
+                        let to = rng.gen_range(0..len);
+                        let (kept, copy) = kv.truncate(SeqId(seq), to);
+                        assert!(kept <= to);
+                        cut_short += usize::from(kept < to);
+                        if let Some(copy) = copy {
+                            assert!(kv.block(copy.from).local_present, "seed {seed}");
+                        }
+                    }
+                    _ => kv.free(SeqId(seq)),
+                }
+                evicted += kv.take_evicted_local().len();
+                check_window_invariants(&kv);
+            }
+        }
+        assert!(
+            evicted > 100,
+            "the budget is tight enough to evict local parts: {evicted}"
+        );
+        assert!(
+            cut_short > 10,
+            "some rollbacks go back further: {cut_short}"
+        );
     }
 
     #[test]

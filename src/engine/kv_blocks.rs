@@ -3,23 +3,53 @@
 //! every step, so half the bytes is half its memory traffic (llama.cpp's default cache type
 //! too). Values are row-major `[position, kv_heads * head_dim]`; keys are transposed,
 //! `[kv_heads * head_dim, position]`, because attention scores consecutive positions in one
-//! register and so wants each key dimension's positions contiguous.
+//! register and so wants each key dimension's positions contiguous. A block keeps its global
+//! layers and its sliding-window layers apart, so the latter's memory can be freed on its own
+//! once the block manager evicts it.
 
 use super::kv::{BlockCopy, BlockId, BLOCK_TOKENS};
 use half::f16;
 
+/// One block's data: its global layers' planes, then its local layers' (empty once freed).
+#[derive(Default)]
+struct BlockData {
+    global: Vec<f16>,
+    local: Vec<f16>,
+}
+
 pub struct KvBlocks {
-    layers: usize,
     kv_dim: usize,
-    /// Indexed by `BlockId`; a block's memory is allocated on first use and kept for reuse.
-    blocks: Vec<Vec<f16>>,
+    /// Per model layer: whether it keeps only a sliding window, and its index among the
+    /// layers of its kind.
+    layers: Vec<(bool, usize)>,
+    global_layers: usize,
+    local_layers: usize,
+    /// Indexed by `BlockId`; a block's memory is allocated on first use and kept for reuse,
+    /// except a local part evicted by the block manager, which is freed.
+    blocks: Vec<BlockData>,
 }
 
 impl KvBlocks {
-    pub fn new(layers: usize, kv_dim: usize) -> Self {
+    /// Storage for layers of which those marked `true` in `local` keep a sliding window.
+    pub fn new(local: &[bool], kv_dim: usize) -> Self {
+        let (mut global_layers, mut local_layers) = (0, 0);
+        let layers = local
+            .iter()
+            .map(|&is_local| {
+                let counter = if is_local {
+                    &mut local_layers
+                } else {
+                    &mut global_layers
+                };
+                *counter += 1;
+                (is_local, *counter - 1)
+            })
+            .collect();
         Self {
-            layers,
             kv_dim,
+            layers,
+            global_layers,
+            local_layers,
             blocks: Vec::new(),
         }
     }
@@ -28,29 +58,57 @@ impl KvBlocks {
         BLOCK_TOKENS * self.kv_dim
     }
 
-    /// Where `layer`'s keys (`part` 0) or values (1) start inside a block.
-    fn offset(&self, layer: usize, part: usize) -> usize {
-        (layer * 2 + part) * self.plane()
+    /// Which part of a block holds `layer`, and where its keys (`part` 0) or values (1) start
+    /// in it.
+    fn offset(&self, layer: usize, part: usize) -> (bool, usize) {
+        let (is_local, index) = self.layers[layer];
+        (is_local, (index * 2 + part) * self.plane())
     }
 
-    fn block_mut(&mut self, id: BlockId) -> &mut [f16] {
+    fn part_mut(&mut self, id: BlockId, local: bool) -> &mut Vec<f16> {
         let id = id as usize;
         if self.blocks.len() <= id {
-            self.blocks.resize_with(id + 1, Vec::new);
+            self.blocks.resize_with(id + 1, BlockData::default);
         }
-        let size = self.layers * 2 * self.plane();
+        let layers = if local {
+            self.local_layers
+        } else {
+            self.global_layers
+        };
+        let size = layers * 2 * self.plane();
         let block = &mut self.blocks[id];
-        if block.is_empty() {
-            block.resize(size, f16::ZERO);
+        let part = if local {
+            &mut block.local
+        } else {
+            &mut block.global
+        };
+        if part.is_empty() {
+            part.resize(size, f16::ZERO);
         }
-        block
+        part
+    }
+
+    fn part(&self, id: BlockId, local: bool) -> &[f16] {
+        let block = &self.blocks[id as usize];
+        if local {
+            &block.local
+        } else {
+            &block.global
+        }
+    }
+
+    /// Frees block `id`'s local layers' data (the block manager evicted it).
+    pub fn free_local(&mut self, id: BlockId) {
+        if let Some(block) = self.blocks.get_mut(id as usize) {
+            block.local = Vec::new();
+        }
     }
 
     /// Stores one position's key and value rows of `layer` in slot `slot` of block `id`.
     pub fn write(&mut self, id: BlockId, layer: usize, slot: usize, key: &[f32], value: &[f32]) {
         let kv_dim = self.kv_dim;
-        let (k_at, v_at) = (self.offset(layer, 0), self.offset(layer, 1));
-        let block = self.block_mut(id);
+        let ((local, k_at), (_, v_at)) = (self.offset(layer, 0), self.offset(layer, 1));
+        let block = self.part_mut(id, local);
         for (c, &from) in key.iter().enumerate() {
             block[k_at + c * BLOCK_TOKENS + slot] = f16::from_f32(from);
         }
@@ -62,38 +120,44 @@ impl KvBlocks {
 
     /// `layer`'s keys of block `id`, transposed: `[kv_dim, BLOCK_TOKENS]`.
     pub fn keys(&self, id: BlockId, layer: usize) -> &[f16] {
-        let at = self.offset(layer, 0);
-        &self.blocks[id as usize][at..at + self.plane()]
+        let (local, at) = self.offset(layer, 0);
+        &self.part(id, local)[at..at + self.plane()]
     }
 
     /// `layer`'s value rows of block `id`: `[BLOCK_TOKENS, kv_dim]`.
     pub fn values(&self, id: BlockId, layer: usize) -> &[f16] {
-        let at = self.offset(layer, 1);
-        &self.blocks[id as usize][at..at + self.plane()]
+        let (local, at) = self.offset(layer, 1);
+        &self.part(id, local)[at..at + self.plane()]
     }
 
     /// Carries out a copy the block manager asked for (only the positions it names, in
-    /// every layer).
+    /// every layer; the block manager copies only blocks whose local part it holds).
     pub fn copy(&mut self, copy: BlockCopy) {
         // Per layer: each key dimension's run of the leading positions, then the leading
-        // value rows, as (start, length).
+        // value rows, as (local part, start, length).
         let (kv_dim, positions) = (self.kv_dim, copy.positions);
-        let runs: Vec<(usize, usize)> = (0..self.layers)
+        let runs: Vec<(bool, usize, usize)> = (0..self.layers.len())
             .flat_map(|layer| {
-                let (k_at, v_at) = (self.offset(layer, 0), self.offset(layer, 1));
+                let ((local, k_at), (_, v_at)) = (self.offset(layer, 0), self.offset(layer, 1));
                 (0..kv_dim)
-                    .map(move |c| (k_at + c * BLOCK_TOKENS, positions))
-                    .chain([(v_at, positions * kv_dim)])
+                    .map(move |c| (local, k_at + c * BLOCK_TOKENS, positions))
+                    .chain([(local, v_at, positions * kv_dim)])
             })
             .collect();
-        self.block_mut(copy.to);
-        self.block_mut(copy.from);
+        for local in [false, true] {
+            self.part_mut(copy.to, local);
+        }
         let [source, target] = self
             .blocks
             .get_disjoint_mut([copy.from as usize, copy.to as usize])
             .expect("two distinct allocated blocks");
-        for (at, len) in runs {
-            target[at..at + len].copy_from_slice(&source[at..at + len]);
+        for (local, at, len) in runs {
+            let (from, to) = if local {
+                (&source.local, &mut target.local)
+            } else {
+                (&source.global, &mut target.global)
+            };
+            to[at..at + len].copy_from_slice(&from[at..at + len]);
         }
     }
 }
@@ -104,7 +168,7 @@ mod tests {
 
     #[test]
     fn a_copy_moves_the_leading_positions_of_every_layer() {
-        let mut data = KvBlocks::new(2, 2);
+        let mut data = KvBlocks::new(&[false, true], 2);
         for layer in 0..2 {
             for slot in 0..3 {
                 let x = (layer * 10 + slot) as f32;
@@ -121,6 +185,10 @@ mod tests {
         assert_eq!(keys[..3], [10.0, 11.0, 0.0]);
         assert_eq!(keys[BLOCK_TOKENS..BLOCK_TOKENS + 3], [10.5, 11.5, 0.0]);
         assert_eq!(floats(&data.values(1, 0)[..4]), [-0.0, -0.5, -1.0, -1.5]);
+        // Layer 1 is local: freeing block 1's local part leaves layer 0's data.
+        data.free_local(1);
+        assert_eq!(floats(&data.values(1, 0)[..2]), [-0.0, -0.5]);
+        assert!(std::panic::catch_unwind(|| data.keys(1, 1).len()).is_err());
     }
 
     /// Decode attention reads these blocks in place (their layout is the one
@@ -130,7 +198,7 @@ mod tests {
         use crate::engine::attention::{HeadBlocks, HeadRows, KvRows, Vectors};
         let (layers, heads, hd) = (2, 2, 16);
         let kv_dim = heads * hd;
-        let mut data = KvBlocks::new(layers, kv_dim);
+        let mut data = KvBlocks::new(&vec![false; layers], kv_dim);
         let positions = BLOCK_TOKENS + 5;
         let row = |p: usize, salt: usize| -> Vec<f32> {
             (0..kv_dim)

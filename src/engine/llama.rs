@@ -3,7 +3,7 @@
 //! sequence over its own KV. Sequences at different lengths share a step without padding.
 
 use super::attention::{HeadBlocks, HeadRows, KvRows, Vectors};
-use super::kv::{BlockId, KvStore, SeqId, BLOCK_TOKENS};
+use super::kv::{BlockId, KvStore, SeqId, SlidingWindow, BLOCK_TOKENS};
 use super::kv_blocks::KvBlocks;
 use super::ops;
 use super::parallel;
@@ -189,6 +189,27 @@ impl LlamaModel {
         self.weights.layers.len()
     }
 
+    /// Per layer, whether it attends over a sliding window only.
+    pub fn local_layers(&self) -> Vec<bool> {
+        self.weights
+            .layers
+            .iter()
+            .map(|l| l.window.is_some())
+            .collect()
+    }
+
+    /// The layers that keep only a window of positions, as the block manager prices them.
+    pub fn sliding_window(&self) -> Option<SlidingWindow> {
+        let local = self.local_layers();
+        let local_layers = local.iter().filter(|&&l| l).count();
+        let window = self.weights.layers.iter().find_map(|l| l.window)?;
+        Some(SlidingWindow {
+            window,
+            layers: local.len(),
+            local_layers,
+        })
+    }
+
     /// Appends each sequence's tokens to its KV and returns its last position's outputs.
     /// Validation and KV reservation happen first, so an error leaves every sequence as it was.
     pub fn forward(
@@ -202,6 +223,9 @@ impl LlamaModel {
         let reservations: Vec<(SeqId, usize)> =
             batch.iter().map(|&(seq, t)| (seq, t.len())).collect();
         kv.reserve(&reservations)?;
+        for id in kv.take_evicted_local() {
+            data.free_local(id);
+        }
         let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
         let positions = || {
             segments
@@ -407,20 +431,31 @@ impl LlamaModel {
             let kv_off = kv_head * hd;
             let first_head = kv_head * group;
             let mut out = vec![0f32; rows.len() * group * hd];
+            // A window's rows read from the block holding the run's first visible position:
+            // the blocks before it may have been freed.
+            let visible_from = |i: usize| {
+                let seen = seg.first_position + i + 1;
+                window.map_or(0, |w| seen.saturating_sub(w))
+            };
+            let skipped = visible_from(rows.start) / BLOCK_TOKENS;
+            let base = skipped * BLOCK_TOKENS;
             let blocks = || {
-                table
+                table[skipped..]
                     .iter()
                     .map(|&b| (data.keys(b, layer_idx), data.values(b, layer_idx)))
             };
-            let held = seg.first_position + rows.end;
+            let held = seg.first_position + rows.end - base;
             let query_rows = rows
                 .clone()
                 .zip(out.chunks_exact_mut(group * hd))
                 .map(|(i, out)| {
                     let start = (seg.first_row + i) * q_dim + first_head * hd;
                     let seen = seg.first_position + i + 1;
-                    let first_seen = window.map_or(0, |w| seen.saturating_sub(w));
-                    (&q[start..start + group * hd], first_seen..seen, out)
+                    (
+                        &q[start..start + group * hd],
+                        visible_from(i) - base..seen - base,
+                        out,
+                    )
                 });
             // One row reads the cache in place; more share one widened copy.
             let in_place = (rows.len() == 1)

@@ -213,8 +213,8 @@ impl Executor {
             .transpose()
             .map_err(|e| EngineError::InvalidStep(format!("thread pool: {e}")))?;
         let model = LlamaModel::new(weights);
-        let kv = kv::KvStore::new(kv_tokens);
-        let data = kv_blocks::KvBlocks::new(model.layer_count(), model.kv_dim());
+        let kv = kv::KvStore::with_window(kv_tokens, model.sliding_window());
+        let data = kv_blocks::KvBlocks::new(&model.local_layers(), model.kv_dim());
         Ok(Self {
             name: name.to_string(),
             model,

@@ -98,7 +98,7 @@ pub enum InvalidRequest {
     },
     #[error(
         "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds model `{model}`'s \
-         whole KV budget of {capacity} tokens (kv_tokens)"
+         whole KV budget, which holds {capacity} tokens (kv_tokens)"
     )]
     KvBudget {
         prompt: usize,
@@ -271,8 +271,8 @@ pub struct Runtime {
     hidden_sizes: Vec<usize>,
     /// The shortest context of the routed models: a request must fit every one.
     context_length: usize,
-    /// Per model: its name and whole KV budget in tokens (a request must fit each model its
-    /// policy may route to, even with nothing else running).
+    /// Per model: its name and the longest sequence its whole KV budget holds (a request
+    /// must fit each model its policy may route to, even with nothing else running).
     kv_capacity: Vec<(String, usize)>,
     /// Each model's tokenizer and chat template, by vocabulary (none when every model is a
     /// latency-profile simulation).
@@ -417,7 +417,7 @@ impl Runtime {
         let kv_capacity = names
             .iter()
             .zip(&facts)
-            .map(|(name, f)| (name.to_string(), f.kv_capacity_tokens))
+            .map(|(name, f)| (name.to_string(), f.longest_sequence_tokens))
             .collect();
         let context_length = facts
             .iter()
@@ -707,7 +707,7 @@ impl Runtime {
     }
 
     /// The most tokens (prompt + max_tokens) a request may ask for: the shortest context,
-    /// and no more than any model's whole KV budget.
+    /// and no longer than any model's whole KV budget holds.
     pub fn request_token_limit(&self) -> usize {
         self.kv_capacity
             .iter()
@@ -1051,7 +1051,7 @@ fn facts_of(executor: &dyn StepExecutor, mode: ExecutionMode, host: &str) -> Mod
         vocab_size: executor.vocab_size(),
         hidden_size: executor.hidden_size(),
         context_length: executor.context_length(),
-        kv_capacity_tokens: executor.kv_usage().capacity_tokens,
+        longest_sequence_tokens: executor.kv().longest_sequence(),
     }
 }
 

@@ -108,7 +108,8 @@ pub(crate) struct ModelFacts {
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub context_length: usize,
-    pub kv_capacity_tokens: usize,
+    /// The longest sequence its whole KV budget holds (`KvStore::longest_sequence`).
+    pub longest_sequence_tokens: usize,
 }
 
 /// A model's host is alive (`<prefix>.heartbeat.<name>`).
