@@ -32,6 +32,16 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
     }
 }
 
+// GeGLU (Gemma): gate <- gelu_tanh(gate) * up, the CPU's `ops::gelu_tanh_mul_in_place`.
+extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float g = gate[i];
+        const float inner = 0.7978846f * (g + 0.044715f * g * g * g);
+        gate[i] = 0.5f * g * (1.0f + tanhf(inner)) * up[i];
+    }
+}
+
 // dst[i] = src[rows[i]], rows of `dim`; one thread block per gathered row.
 extern "C" __global__ void gather_rows(const float* src, const int* rows, float* dst, int dim) {
     const float* from = src + (long long)rows[blockIdx.x] * dim;

@@ -237,7 +237,7 @@ fn tiny_models_decode_on_the_gpu_as_on_the_cpu() {
     }
     let dir = tempfile::tempdir().unwrap();
     let prompts = prompts_for_tiny_models();
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
         let path = common::write_gguf(
             &dir.path().join("m.gguf"),
             &TinySpec::new(arch),
@@ -274,7 +274,7 @@ fn tiny_models_in_int8_formats_follow_the_cpu_on_the_gpu() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
         for dtype in [
             GgmlDType::Q8_0,
             GgmlDType::Q4_0,

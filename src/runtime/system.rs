@@ -98,7 +98,7 @@ pub enum InvalidRequest {
     },
     #[error(
         "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds model `{model}`'s \
-         whole KV budget, which holds {capacity} tokens (kv_tokens)"
+         whole KV budget of {capacity} tokens (the longest sequence its kv_tokens holds)"
     )]
     KvBudget {
         prompt: usize,

@@ -86,6 +86,7 @@ kernels! {
     add_in_place in "elementwise.cu",
     add_bias_rows in "elementwise.cu",
     silu_mul in "elementwise.cu",
+    gelu_tanh_mul in "elementwise.cu",
     gather_rows in "elementwise.cu",
     to_bf16 in "elementwise.cu",
     rope in "rope.cu",

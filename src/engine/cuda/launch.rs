@@ -101,9 +101,20 @@ impl Gpu {
         Ok(())
     }
 
-    pub fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> EngineResult<()> {
+    /// The MLP's gating in place: `gate <- act(gate) * up`, with SiLU (SwiGLU) or, for
+    /// Gemma, tanh-approximated GELU (GeGLU).
+    pub fn gated(
+        &self,
+        gate: &mut CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        gelu: bool,
+    ) -> EngineResult<()> {
         let n = gate.len() as i64;
-        let mut launch = self.stream.launch_builder(&self.kernels.silu_mul);
+        let kernel = match gelu {
+            true => &self.kernels.gelu_tanh_mul,
+            false => &self.kernels.silu_mul,
+        };
+        let mut launch = self.stream.launch_builder(kernel);
         launch.arg(gate).arg(up).arg(&n);
         // SAFETY: both hold n floats.
         unsafe { launch.launch(grid_1d(n as usize)) }.map_err(gpu_error)?;
@@ -214,7 +225,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// Causal attention of `q [rows, heads, head_dim]` over each row's sequence in one layer.
+    /// Causal attention of `q [rows, heads, head_dim]` over each row's sequence in one layer
+    /// (over its last `window` positions, for a sliding-window layer).
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -226,12 +238,14 @@ impl Gpu {
         heads: usize,
         kv_heads: usize,
         head_dim: usize,
+        window: Option<usize>,
     ) -> EngineResult<CudaSlice<f32>> {
         let rows = layout.positions.len();
         let mut out = self.zeros::<f32>(rows * heads * head_dim)?;
         let offset = layer_offset as i64;
         let (heads_arg, kv_heads_arg, dim_arg) = (heads as i32, kv_heads as i32, head_dim as i32);
         let scale = 1.0 / (head_dim as f32).sqrt();
+        let window = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.paged_attention);
         launch
             .arg(q)
@@ -245,7 +259,8 @@ impl Gpu {
             .arg(&heads_arg)
             .arg(&kv_heads_arg)
             .arg(&dim_arg)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&window);
         let config = LaunchConfig {
             grid_dim: (heads as u32, rows as u32, 1),
             block_dim: (32, 1, 1),

@@ -50,6 +50,9 @@ struct DeviceLayer {
     bv: Option<CudaSlice<f32>>,
     q_norm: Option<CudaSlice<f32>>,
     k_norm: Option<CudaSlice<f32>>,
+    post_attn_norm: Option<CudaSlice<f32>>,
+    post_ffn_norm: Option<CudaSlice<f32>>,
+    window: Option<usize>,
     ffn_norm: CudaSlice<f32>,
     w_gate: DeviceMatrix,
     w_up: DeviceMatrix,
@@ -65,6 +68,8 @@ struct DeviceModel {
     final_norm: CudaSlice<f32>,
     lm_head: DeviceMatrix,
     inv_freq: CudaSlice<f32>,
+    /// The sliding-window layers' own frequencies (Gemma 3's local rope base).
+    local_inv_freq: Option<CudaSlice<f32>>,
     gpu: Gpu,
     /// Loaded only when some matrix is dense (formats without integer kernels).
     blas: Option<CudaBlas>,
@@ -134,12 +139,6 @@ impl CudaExecutor {
 
     fn new(name: &str, weights: ModelWeights, gpu: Gpu, kv_tokens: usize) -> EngineResult<Self> {
         let hp = weights.hp.clone();
-        if hp.gemma.is_some() {
-            return Err(EngineError::Gpu(format!(
-                "model `{name}`: Gemma 3 runs on the CPU only so far (its sliding-window \
-                 attention, post-norms and GeGLU have no GPU kernels yet); set device = \"cpu\""
-            )));
-        }
         if hp.head_dim > MAX_HEAD_DIM
             || !hp.head_dim.is_multiple_of(2)
             || !hp.heads.is_multiple_of(hp.kv_heads)
@@ -169,10 +168,17 @@ impl CudaExecutor {
             true => Some(CudaBlas::new(gpu.stream.clone()).map_err(gpu_error)?),
             false => None,
         };
+        // The device pool holds whole blocks (`capacity_blocks` of them), so sliding-window
+        // layers keep every position here: no local parts evicted apart.
         let kv = KvStore::new(kv_tokens);
         let paged = PagedKv::new(&gpu, layers.len(), kv_dim, kv.capacity_blocks())?;
+        let local_inv_freq = hp
+            .gemma
+            .map(|g| gpu.upload(&inverse_frequencies(&weights, g.local_rope_theta)))
+            .transpose()?;
         let model = DeviceModel {
             inv_freq: gpu.upload(&inverse_frequencies(&weights, hp.rope_theta))?,
+            local_inv_freq,
             final_norm: gpu.upload(&weights.final_norm)?,
             embedding: weights.embedding,
             hp,
@@ -229,6 +235,9 @@ impl DeviceLayer {
             bv: vector(&w.bv)?,
             q_norm: vector(&w.q_norm)?,
             k_norm: vector(&w.k_norm)?,
+            post_attn_norm: vector(&w.post_attn_norm)?,
+            post_ffn_norm: vector(&w.post_ffn_norm)?,
+            window: w.window,
             ffn_norm: gpu.upload(&w.ffn_norm)?,
             w_gate: matrix(&w.w_gate)?,
             w_up: matrix(&w.w_up)?,
@@ -275,7 +284,13 @@ impl DeviceModel {
     ) -> EngineResult<LastPositions> {
         let hp = &self.hp;
         let gpu = &self.gpu;
-        let mut x = gpu.upload(&embed_tokens(&self.embedding, hp.hidden, tokens))?;
+        let mut x = embed_tokens(&self.embedding, hp.hidden, tokens);
+        if hp.gemma.is_some() {
+            // Gemma scales its input rows by √hidden, as the CPU engine does.
+            let scale = (hp.hidden as f32).sqrt();
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        let mut x = gpu.upload(&x)?;
         for (index, layer) in self.layers.iter().enumerate() {
             self.layer(index, layer, &mut x, layout, paged)?;
         }
@@ -327,17 +342,15 @@ impl DeviceModel {
             k = gpu.rms_norm(&k, norm, hp.rms_eps)?;
         }
         let interleaved = hp.rope_interleaved;
-        gpu.rope(
-            &mut q,
-            &layout.positions,
-            &self.inv_freq,
-            hp.heads,
-            interleaved,
-        )?;
+        let inv_freq = match (w.window, &self.local_inv_freq) {
+            (Some(_), Some(local)) => local,
+            _ => &self.inv_freq,
+        };
+        gpu.rope(&mut q, &layout.positions, inv_freq, hp.heads, interleaved)?;
         gpu.rope(
             &mut k,
             &layout.positions,
-            &self.inv_freq,
+            inv_freq,
             hp.kv_heads,
             interleaved,
         )?;
@@ -362,13 +375,30 @@ impl DeviceModel {
             hp.heads,
             hp.kv_heads,
             hp.head_dim,
+            w.window,
         )?;
-        gpu.add_in_place(x, &w.wo.matmul(gpu, blas, &attn, rows)?)?;
+        let attn = w.wo.matmul(gpu, blas, &attn, rows)?;
+        gpu.add_in_place(x, &post_norm(gpu, attn, &w.post_attn_norm, hp.rms_eps)?)?;
 
         let h = gpu.rms_norm(x, &w.ffn_norm, hp.rms_eps)?;
         let [mut gate, up] = DeviceMatrix::matmul_each(gpu, blas, [&w.w_gate, &w.w_up], &h, rows)?;
-        gpu.silu_mul(&mut gate, &up)?;
-        gpu.add_in_place(x, &w.w_down.matmul(gpu, blas, &gate, rows)?)
+        gpu.gated(&mut gate, &up, hp.gemma.is_some())?;
+        let down = w.w_down.matmul(gpu, blas, &gate, rows)?;
+        gpu.add_in_place(x, &post_norm(gpu, down, &w.post_ffn_norm, hp.rms_eps)?)
+    }
+}
+
+/// A sublayer's output normed before its residual add where the model has such a norm
+/// (Gemma 3), as it is otherwise.
+fn post_norm(
+    gpu: &Gpu,
+    out: CudaSlice<f32>,
+    norm: &Option<CudaSlice<f32>>,
+    eps: f32,
+) -> EngineResult<CudaSlice<f32>> {
+    match norm {
+        Some(norm) => gpu.rms_norm(&out, norm, eps),
+        None => Ok(out),
     }
 }
 
