@@ -225,16 +225,6 @@ fn the_server_returns_and_streams_the_text_of_those_tokens() {
     assert_eq!(whole["usage"]["completion_tokens"], case.tokens.len());
     let mut streamed = body;
     streamed["stream"] = true.into();
-    let text: String = common::server::stream_events(&server, "/v1/completions", &streamed)
-        .iter()
-        .filter(|e| *e != "[DONE]")
-        .map(|e| {
-            let chunk: serde_json::Value = serde_json::from_str(e).unwrap();
-            chunk["choices"][0]["text"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        })
-        .collect();
+    let text = common::server::stream_text(&server, "/v1/completions", &streamed);
     assert_eq!(text, expected);
 }

@@ -243,17 +243,7 @@ fn the_hetero_pair_serves_whole_and_streamed_replies() {
     );
     let mut streamed = body.clone();
     streamed["stream"] = true.into();
-    let text: String = common::server::stream_events(&server, "/v1/chat/completions", &streamed)
-        .iter()
-        .filter(|e| *e != "[DONE]")
-        .map(|e| {
-            let chunk: serde_json::Value = serde_json::from_str(e).unwrap();
-            chunk["choices"][0]["delta"]["content"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        })
-        .collect();
+    let text = common::server::stream_text(&server, "/v1/chat/completions", &streamed);
     assert_eq!(text, content);
 
     let ids = serde_json::json!({"model": "r2r", "prompt": [1, 2, 3], "max_tokens": 4});

@@ -47,8 +47,10 @@ pub enum RuntimeError {
     UnknownPolicy(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// Not a `source` of the error: its text is already in this one's (a CLI printing the
+    /// chain would say it twice).
     #[error("invalid request: {0}")]
-    Invalid(#[from] InvalidRequest),
+    Invalid(InvalidRequest),
     #[error("generation failed: {0}")]
     Failed(String),
     /// Out of capacity (KV); the same request may succeed later.
@@ -67,6 +69,12 @@ pub enum RuntimeError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+}
+
+impl From<InvalidRequest> for RuntimeError {
+    fn from(invalid: InvalidRequest) -> Self {
+        Self::Invalid(invalid)
+    }
 }
 
 impl RuntimeError {
@@ -1103,4 +1111,21 @@ fn refuse_mixing_vocabularies(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CLI prints an error with its chain of sources: an invalid request's reason must
+    /// appear once.
+    #[test]
+    fn an_invalid_request_says_its_reason_once() {
+        let reason = InvalidRequest::EmptyPrompt.to_string();
+        let printed = format!(
+            "{:#}",
+            anyhow::Error::from(RuntimeError::from(InvalidRequest::EmptyPrompt))
+        );
+        assert_eq!(printed.matches(&reason).count(), 1, "{printed}");
+    }
 }

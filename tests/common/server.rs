@@ -209,6 +209,23 @@ pub fn stream_events(server: &Server, path: &str, body: &serde_json::Value) -> V
         .collect()
 }
 
+/// One streamed generation's text: its chunks' `delta.content` (chat) or `text`
+/// (completions), joined.
+pub fn stream_text(server: &Server, path: &str, body: &serde_json::Value) -> String {
+    stream_events(server, path, body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| {
+            let chunk: serde_json::Value = serde_json::from_str(e).unwrap();
+            let choice = &chunk["choices"][0];
+            let piece = choice["delta"]["content"]
+                .as_str()
+                .or(choice["text"].as_str());
+            piece.unwrap_or_default().to_string()
+        })
+        .collect()
+}
+
 /// Two tiny models; `r2r` at θ = 0 sends every token to `large`, at θ = 1e6 none.
 pub fn write_tiny_config(dir: &Path, r2r_threshold: f64) -> PathBuf {
     write_tiny_config_with(dir, r2r_threshold, 8192, "")
