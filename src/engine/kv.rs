@@ -496,50 +496,37 @@ impl KvStore {
             .map_or(0, |w| (len + 1).saturating_sub(w) / BLOCK_TOKENS)
     }
 
-    /// Marks the blocks `seq` has moved a window past as passed by it.
-    fn pass_window(&mut self, seq: SeqId) {
+    /// Marks as passed by `seq` exactly the blocks a window behind `len` (its length now
+    /// or after a rollback to it): blocks it moved past are marked, blocks a rollback brings
+    /// back into its window unmarked.
+    fn sync_passed(&mut self, seq: SeqId, len: usize) {
         let Some(table) = self.seqs.get(&seq) else {
             return;
         };
-        let (from, behind) = (table.passed, self.blocks_behind(table.len));
-        if behind <= from {
-            return;
-        }
-        let newly: Vec<BlockId> = table.blocks[from..behind].to_vec();
-        for id in newly {
+        let (from, to) = (table.passed, self.blocks_behind(len));
+        let changed: Vec<BlockId> = table.blocks[from.min(to)..from.max(to)].to_vec();
+        for id in changed {
             let was_read = self.local_read(id);
-            self.block_mut(id).passed += 1;
+            let block = self.block_mut(id);
+            block.passed = if to > from {
+                block.passed + 1
+            } else {
+                block.passed - 1
+            };
             self.settle_local(id, was_read);
         }
-        self.seqs.get_mut(&seq).expect("checked").passed = behind;
-    }
-
-    /// Un-passes the blocks of `seq` from `behind` on (a rollback brings them back into its
-    /// window).
-    fn unpass_from(&mut self, seq: SeqId, behind: usize) {
-        let Some(table) = self.seqs.get(&seq) else {
-            return;
-        };
-        if table.passed <= behind {
-            return;
-        }
-        let back: Vec<BlockId> = table.blocks[behind..table.passed].to_vec();
-        for id in back {
-            let was_read = self.local_read(id);
-            self.block_mut(id).passed -= 1;
-            self.settle_local(id, was_read);
-        }
-        self.seqs.get_mut(&seq).expect("checked").passed = behind;
+        self.seqs.get_mut(&seq).expect("checked").passed = to;
     }
 
     /// The longest `len' <= len` the chain `blocks` can go on from: every local part the
     /// position `len'` reads still holds its data.
     fn resumable(&self, blocks: &[BlockId], mut len: usize) -> usize {
+        if self.window.is_none() {
+            return len;
+        }
         loop {
             let read = self.blocks_behind(len)..len.div_ceil(BLOCK_TOKENS);
-            let gone = read
-                .rev()
-                .find(|&j| self.window.is_some() && !self.block(blocks[j]).local_present);
+            let gone = read.rev().find(|&j| !self.block(blocks[j]).local_present);
             match gone {
                 Some(j) => len = j * BLOCK_TOKENS,
                 None => return len,
@@ -568,8 +555,10 @@ impl KvStore {
                 self.children.entry(parent).or_default().push(id);
             }
         }
-        self.seqs.get_mut(&seq).expect("checked").len += tokens.len();
-        self.pass_window(seq);
+        let table = self.seqs.get_mut(&seq).expect("checked");
+        table.len += tokens.len();
+        let len = table.len;
+        self.sync_passed(seq, len);
     }
 
     /// Starts sequence `seq` (unknown or empty) on the longest cached prefix of `tokens`:
@@ -621,7 +610,7 @@ impl KvStore {
             true => self.truncate(seq, resumable).0,
             false => matched,
         };
-        self.pass_window(seq);
+        self.sync_passed(seq, matched);
         if matched > 0 {
             self.counters.hits += 1;
             self.counters.hit_tokens += matched as u64;
@@ -701,7 +690,7 @@ impl KvStore {
             return (table.len, None);
         }
         let len = self.resumable(&table.blocks, len);
-        self.unpass_from(seq, self.blocks_behind(len));
+        self.sync_passed(seq, len);
         let table = &self.seqs[&seq];
         let keep = len.div_ceil(BLOCK_TOKENS);
         let dropped = table.blocks[keep..].to_vec();
@@ -731,7 +720,7 @@ impl KvStore {
         // No block for the copy: back to the block's start, whose window reaches further.
         let start = len - within;
         self.seqs.get_mut(&seq).expect("checked").len = start;
-        self.unpass_from(seq, self.blocks_behind(start));
+        self.sync_passed(seq, start);
         let kept = self.resumable(self.table(seq), start);
         if kept < start {
             return self.truncate(seq, kept);

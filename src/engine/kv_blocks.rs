@@ -10,20 +10,20 @@
 use super::kv::{BlockCopy, BlockId, BLOCK_TOKENS};
 use half::f16;
 
+/// A layer's kind, indexing a block's parts (`BlockData`) and the layer counts.
+const GLOBAL: usize = 0;
+const LOCAL: usize = 1;
+
 /// One block's data: its global layers' planes, then its local layers' (empty once freed).
-#[derive(Default)]
-struct BlockData {
-    global: Vec<f16>,
-    local: Vec<f16>,
-}
+type BlockData = [Vec<f16>; 2];
 
 pub struct KvBlocks {
     kv_dim: usize,
-    /// Per model layer: whether it keeps only a sliding window, and its index among the
-    /// layers of its kind.
-    layers: Vec<(bool, usize)>,
-    global_layers: usize,
-    local_layers: usize,
+    /// Per model layer: its kind (`GLOBAL` or `LOCAL`: keeps only a sliding window) and its
+    /// index among the layers of its kind.
+    layers: Vec<(usize, usize)>,
+    /// Layers of each kind.
+    counts: [usize; 2],
     /// Indexed by `BlockId`; a block's memory is allocated on first use and kept for reuse,
     /// except a local part evicted by the block manager, which is freed.
     blocks: Vec<BlockData>,
@@ -32,24 +32,19 @@ pub struct KvBlocks {
 impl KvBlocks {
     /// Storage for layers of which those marked `true` in `local` keep a sliding window.
     pub fn new(local: &[bool], kv_dim: usize) -> Self {
-        let (mut global_layers, mut local_layers) = (0, 0);
+        let mut counts = [0; 2];
         let layers = local
             .iter()
             .map(|&is_local| {
-                let counter = if is_local {
-                    &mut local_layers
-                } else {
-                    &mut global_layers
-                };
-                *counter += 1;
-                (is_local, *counter - 1)
+                let kind = if is_local { LOCAL } else { GLOBAL };
+                counts[kind] += 1;
+                (kind, counts[kind] - 1)
             })
             .collect();
         Self {
             kv_dim,
             layers,
-            global_layers,
-            local_layers,
+            counts,
             blocks: Vec::new(),
         }
     }
@@ -60,55 +55,37 @@ impl KvBlocks {
 
     /// Which part of a block holds `layer`, and where its keys (`part` 0) or values (1) start
     /// in it.
-    fn offset(&self, layer: usize, part: usize) -> (bool, usize) {
-        let (is_local, index) = self.layers[layer];
-        (is_local, (index * 2 + part) * self.plane())
+    fn offset(&self, layer: usize, part: usize) -> (usize, usize) {
+        let (kind, index) = self.layers[layer];
+        (kind, (index * 2 + part) * self.plane())
     }
 
-    fn part_mut(&mut self, id: BlockId, local: bool) -> &mut Vec<f16> {
+    /// Block `id`'s planes of `kind`, allocated (zeroed) if they hold nothing yet.
+    fn part_mut(&mut self, id: BlockId, kind: usize) -> &mut Vec<f16> {
         let id = id as usize;
         if self.blocks.len() <= id {
             self.blocks.resize_with(id + 1, BlockData::default);
         }
-        let layers = if local {
-            self.local_layers
-        } else {
-            self.global_layers
-        };
-        let size = layers * 2 * self.plane();
-        let block = &mut self.blocks[id];
-        let part = if local {
-            &mut block.local
-        } else {
-            &mut block.global
-        };
+        let size = self.counts[kind] * 2 * self.plane();
+        let part = &mut self.blocks[id][kind];
         if part.is_empty() {
             part.resize(size, f16::ZERO);
         }
         part
     }
 
-    fn part(&self, id: BlockId, local: bool) -> &[f16] {
-        let block = &self.blocks[id as usize];
-        if local {
-            &block.local
-        } else {
-            &block.global
-        }
-    }
-
     /// Frees block `id`'s local layers' data (the block manager evicted it).
     pub fn free_local(&mut self, id: BlockId) {
         if let Some(block) = self.blocks.get_mut(id as usize) {
-            block.local = Vec::new();
+            block[LOCAL] = Vec::new();
         }
     }
 
     /// Stores one position's key and value rows of `layer` in slot `slot` of block `id`.
     pub fn write(&mut self, id: BlockId, layer: usize, slot: usize, key: &[f32], value: &[f32]) {
         let kv_dim = self.kv_dim;
-        let ((local, k_at), (_, v_at)) = (self.offset(layer, 0), self.offset(layer, 1));
-        let block = self.part_mut(id, local);
+        let ((kind, k_at), (_, v_at)) = (self.offset(layer, 0), self.offset(layer, 1));
+        let block = self.part_mut(id, kind);
         for (c, &from) in key.iter().enumerate() {
             block[k_at + c * BLOCK_TOKENS + slot] = f16::from_f32(from);
         }
@@ -120,44 +97,39 @@ impl KvBlocks {
 
     /// `layer`'s keys of block `id`, transposed: `[kv_dim, BLOCK_TOKENS]`.
     pub fn keys(&self, id: BlockId, layer: usize) -> &[f16] {
-        let (local, at) = self.offset(layer, 0);
-        &self.part(id, local)[at..at + self.plane()]
+        let (kind, at) = self.offset(layer, 0);
+        &self.blocks[id as usize][kind][at..at + self.plane()]
     }
 
     /// `layer`'s value rows of block `id`: `[BLOCK_TOKENS, kv_dim]`.
     pub fn values(&self, id: BlockId, layer: usize) -> &[f16] {
-        let (local, at) = self.offset(layer, 1);
-        &self.part(id, local)[at..at + self.plane()]
+        let (kind, at) = self.offset(layer, 1);
+        &self.blocks[id as usize][kind][at..at + self.plane()]
     }
 
     /// Carries out a copy the block manager asked for (only the positions it names, in
     /// every layer; the block manager copies only blocks whose local part it holds).
     pub fn copy(&mut self, copy: BlockCopy) {
         // Per layer: each key dimension's run of the leading positions, then the leading
-        // value rows, as (local part, start, length).
+        // value rows, as (kind, start, length).
         let (kv_dim, positions) = (self.kv_dim, copy.positions);
-        let runs: Vec<(bool, usize, usize)> = (0..self.layers.len())
+        let runs: Vec<(usize, usize, usize)> = (0..self.layers.len())
             .flat_map(|layer| {
-                let ((local, k_at), (_, v_at)) = (self.offset(layer, 0), self.offset(layer, 1));
+                let ((kind, k_at), (_, v_at)) = (self.offset(layer, 0), self.offset(layer, 1));
                 (0..kv_dim)
-                    .map(move |c| (local, k_at + c * BLOCK_TOKENS, positions))
-                    .chain([(local, v_at, positions * kv_dim)])
+                    .map(move |c| (kind, k_at + c * BLOCK_TOKENS, positions))
+                    .chain([(kind, v_at, positions * kv_dim)])
             })
             .collect();
-        for local in [false, true] {
-            self.part_mut(copy.to, local);
+        for kind in [GLOBAL, LOCAL] {
+            self.part_mut(copy.to, kind);
         }
         let [source, target] = self
             .blocks
             .get_disjoint_mut([copy.from as usize, copy.to as usize])
             .expect("two distinct allocated blocks");
-        for (local, at, len) in runs {
-            let (from, to) = if local {
-                (&source.local, &mut target.local)
-            } else {
-                (&source.global, &mut target.global)
-            };
-            to[at..at + len].copy_from_slice(&from[at..at + len]);
+        for (kind, at, len) in runs {
+            target[kind][at..at + len].copy_from_slice(&source[kind][at..at + len]);
         }
     }
 }

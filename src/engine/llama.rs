@@ -96,11 +96,17 @@ pub fn embedding_row(embedding: &[f32], hidden: usize, token: u32) -> &[f32] {
     &embedding[t * hidden..(t + 1) * hidden]
 }
 
-/// The embedding rows of `tokens`, one after another: `[tokens, hidden]`.
-pub fn embed_tokens(embedding: &[f32], hidden: usize, tokens: &[u32]) -> Vec<f32> {
+/// The input rows of `tokens`, one after another: `[tokens, hidden]` (Gemma scales its
+/// embedding rows by √hidden, as it was trained).
+pub fn embed_tokens(embedding: &[f32], hp: &Hyperparams, tokens: &[u32]) -> Vec<f32> {
+    let hidden = hp.hidden;
     let mut x = Vec::with_capacity(tokens.len() * hidden);
     for &t in tokens {
         x.extend_from_slice(embedding_row(embedding, hidden, t));
+    }
+    if hp.gemma.is_some() {
+        let scale = (hidden as f32).sqrt();
+        x.iter_mut().for_each(|v| *v *= scale);
     }
     x
 }
@@ -245,7 +251,7 @@ impl LlamaModel {
             segments,
         };
 
-        let mut x = self.embed(&tokens);
+        let mut x = embed_tokens(&self.weights.embedding, hp, &tokens);
         for (layer_idx, layer) in self.weights.layers.iter().enumerate() {
             self.layer(layer_idx, layer, &mut x, &shape, data);
         }
@@ -276,17 +282,6 @@ impl LlamaModel {
 
     pub fn embedding_row(&self, token: u32) -> &[f32] {
         embedding_row(&self.weights.embedding, self.weights.hp.hidden, token)
-    }
-
-    /// The input rows of `tokens` (Gemma scales them by √hidden, as it was trained).
-    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        let hp = &self.weights.hp;
-        let mut x = embed_tokens(&self.weights.embedding, hp.hidden, tokens);
-        if hp.gemma.is_some() {
-            let scale = (hp.hidden as f32).sqrt();
-            x.iter_mut().for_each(|v| *v *= scale);
-        }
-        x
     }
 
     fn layer(

@@ -281,7 +281,7 @@ pub struct Runtime {
     context_length: usize,
     /// Per model: its name and the longest sequence its whole KV budget holds (a request
     /// must fit each model its policy may route to, even with nothing else running).
-    kv_capacity: Vec<(String, usize)>,
+    longest_sequences: Vec<(String, usize)>,
     /// Each model's tokenizer and chat template, by vocabulary (none when every model is a
     /// latency-profile simulation).
     tokenizers: Tokenizers,
@@ -422,7 +422,7 @@ impl Runtime {
         let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
         check_vocabularies(&names, &facts, &tokenizers)?;
         let hidden_sizes: Vec<usize> = facts.iter().map(|f| f.hidden_size).collect();
-        let kv_capacity = names
+        let longest_sequences = names
             .iter()
             .zip(&facts)
             .map(|(name, f)| (name.to_string(), f.longest_sequence_tokens))
@@ -624,7 +624,7 @@ impl Runtime {
             config: Mutex::new(config.clone()),
             hidden_sizes,
             context_length,
-            kv_capacity,
+            longest_sequences,
             grammar_vocabularies: (0..tokenizers.count()).map(|_| OnceLock::new()).collect(),
             tokenizers,
             eos,
@@ -717,7 +717,7 @@ impl Runtime {
     /// The most tokens (prompt + max_tokens) a request may ask for: the shortest context,
     /// and no longer than any model's whole KV budget holds.
     pub fn request_token_limit(&self) -> usize {
-        self.kv_capacity
+        self.longest_sequences
             .iter()
             .map(|(_, capacity)| *capacity)
             .fold(self.context_length, usize::min)
@@ -846,7 +846,7 @@ impl Runtime {
                 }
                 .into());
             }
-            let (model, capacity) = &self.kv_capacity[m];
+            let (model, capacity) = &self.longest_sequences[m];
             if needed > *capacity {
                 return Err(InvalidRequest::KvBudget {
                     prompt,

@@ -284,13 +284,7 @@ impl DeviceModel {
     ) -> EngineResult<LastPositions> {
         let hp = &self.hp;
         let gpu = &self.gpu;
-        let mut x = embed_tokens(&self.embedding, hp.hidden, tokens);
-        if hp.gemma.is_some() {
-            // Gemma scales its input rows by √hidden, as the CPU engine does.
-            let scale = (hp.hidden as f32).sqrt();
-            x.iter_mut().for_each(|v| *v *= scale);
-        }
-        let mut x = gpu.upload(&x)?;
+        let mut x = gpu.upload(&embed_tokens(&self.embedding, hp, tokens))?;
         for (index, layer) in self.layers.iter().enumerate() {
             self.layer(index, layer, &mut x, layout, paged)?;
         }
