@@ -1,14 +1,34 @@
 // Row-wise and element-wise steps of the decoder layer.
 
-// out[r] = x[r] / rms(x[r]) * weight, one thread block per row of `dim`.
-extern "C" __global__ void rms_norm(const float* x, const float* weight, float* out, int dim,
-                                    float eps) {
-    const float* row = x + (long long)blockIdx.x * dim;
-    float* dst = out + (long long)blockIdx.x * dim;
+// dst = row / rms(row) * weight over `dim` floats, by one thread block (dst may be row: each
+// thread reads its elements before the block's sum and writes them after).
+__device__ void norm_row(const float* row, const float* weight, float* dst, int dim, float eps) {
     float squares = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) squares += row[i] * row[i];
     const float scale = 1.0f / sqrtf(block_sum(squares) / dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = row[i] * scale * weight[i];
+}
+
+// out[r] = x[r] / rms(x[r]) * weight, one thread block per row of `dim`.
+extern "C" __global__ void rms_norm(const float* x, const float* weight, float* out, int dim,
+                                    float eps) {
+    const long long at = (long long)blockIdx.x * dim;
+    norm_row(x + at, weight, out + at, dim, eps);
+}
+
+// rms_norm in place (the per-head query and key norms).
+extern "C" __global__ void rms_norm_in_place(float* x, const float* weight, int dim, float eps) {
+    float* row = x + (long long)blockIdx.x * dim;
+    norm_row(row, weight, row, dim, eps);
+}
+
+// out[r] = table[ids[r]] * scale, one thread block per row of `dim` (the embedding lookup;
+// `scale` is Gemma's sqrt(hidden), else 1).
+extern "C" __global__ void embed_rows(const float* table, const int* ids, float* out, int dim,
+                                      float scale) {
+    const float* from = table + (long long)ids[blockIdx.x] * dim;
+    float* to = out + (long long)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) to[i] = from[i] * scale;
 }
 
 // x += y over n elements (the residual stream).

@@ -1,13 +1,16 @@
 // The paged KV cache (f16 bits): per layer `[blocks * BLOCK_TOKENS, kv_dim]` for keys and for
 // values, `layer_stride` elements apart. A position lives in slot `block * BLOCK_TOKENS + offset`.
 
-// Writes each new row's key and value into its slot of one layer.
+// Writes each new row's key and value into its slot of one layer; a padding row (slot < 0)
+// writes nothing.
 extern "C" __global__ void kv_append(const float* k, const float* v, const int* slots,
                                      unsigned short* k_cache, unsigned short* v_cache,
                                      long long layer_offset, int rows, int kv_dim) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * kv_dim) return;
-    const long long dst = layer_offset + (long long)slots[i / kv_dim] * kv_dim + i % kv_dim;
+    const int slot = slots[i / kv_dim];
+    if (slot < 0) return;
+    const long long dst = layer_offset + (long long)slot * kv_dim + i % kv_dim;
     k_cache[dst] = to_kv(k[i]);
     v_cache[dst] = to_kv(v[i]);
 }

@@ -96,17 +96,21 @@ __device__ __forceinline__ bool output_warp(int n_out, int blocks_per_row, Outpu
     return o->col < n_out;
 }
 
-// Sums the lanes' partial dot products into out[row, col].
+// Sums the lanes' partial dot products into out[row, col], or adds them to it (`accumulate`:
+// the residual add folded into the projection that feeds it).
 __device__ __forceinline__ void store_output(const OutputWarp& o, float acc, float* out,
-                                             int n_out) {
+                                             int n_out, int accumulate) {
     acc = warp_sum(acc);
-    if (o.lane == 0) out[(long long)o.row * n_out + o.col] = acc;
+    if (o.lane == 0) {
+        float* dst = out + (long long)o.row * n_out + o.col;
+        *dst = accumulate ? *dst + acc : acc;
+    }
 }
 
 // out[row, col] over Q8_0 weights: one warp per (column, row), lanes over blocks.
 extern "C" __global__ void qmatmul_q8_0(const signed char* w, const float* w_scales,
                                         const signed char* xq, const float* x_scales, float* out,
-                                        int n_out, int blocks_per_row) {
+                                        int n_out, int blocks_per_row, int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 32);
@@ -117,7 +121,7 @@ extern "C" __global__ void qmatmul_q8_0(const signed char* w, const float* w_sca
         for (int i = 0; i < 8; i++) dot = __dp4a(w_col[b * 8 + i], x_row[b * 8 + i], dot);
         acc += (float)dot * (w_scales[o.w_block + b] * x_scales[o.x_block + b]);
     }
-    store_output(o, acc, out, n_out);
+    store_output(o, acc, out, n_out, accumulate);
 }
 
 // out[row, col] over Q4_0 / Q4_1 weights (16 bytes per block: element j in the low nibble of
@@ -125,7 +129,7 @@ extern "C" __global__ void qmatmul_q8_0(const signed char* w, const float* w_sca
 extern "C" __global__ void qmatmul_q4(const unsigned char* w, const float* w_scales,
                                       const float* w_offsets, const signed char* xq,
                                       const float* x_scales, const float* x_scaled_sums,
-                                      float* out, int n_out, int blocks_per_row) {
+                                      float* out, int n_out, int blocks_per_row, int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 16);
@@ -141,7 +145,7 @@ extern "C" __global__ void qmatmul_q4(const unsigned char* w, const float* w_sca
         const long long wb = o.w_block + b, xb = o.x_block + b;
         acc += (float)dot * (w_scales[wb] * x_scales[xb]) + w_offsets[wb] * x_scaled_sums[xb];
     }
-    store_output(o, acc, out, n_out);
+    store_output(o, acc, out, n_out, accumulate);
 }
 
 // Four fifth bits (bit i for byte i) as a byte's 16 each.
@@ -155,7 +159,7 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
                                       const float* w_scales, const float* w_offsets,
                                       const signed char* xq, const float* x_scales,
                                       const float* x_scaled_sums, float* out, int n_out,
-                                      int blocks_per_row) {
+                                      int blocks_per_row, int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 16);
@@ -174,7 +178,7 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
         }
         acc += (float)dot * (w_scales[wb] * x_scales[xb]) + w_offsets[wb] * x_scaled_sums[xb];
     }
-    store_output(o, acc, out, n_out);
+    store_output(o, acc, out, n_out, accumulate);
 }
 
 // out[row, col] over Q6_K weights: signed bytes as Q8_0's (q - 32), a scale per half block of
@@ -182,7 +186,7 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
 extern "C" __global__ void qmatmul_q6_k(const signed char* w, const float* w_first,
                                         const float* w_second, const signed char* xq,
                                         const float* x_scales, float* out, int n_out,
-                                        int blocks_per_row) {
+                                        int blocks_per_row, int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 32);
@@ -198,5 +202,5 @@ extern "C" __global__ void qmatmul_q6_k(const signed char* w, const float* w_fir
         const float x_scale = x_scales[o.x_block + b];
         acc += (float)first * (w_first[wb] * x_scale) + (float)second * (w_second[wb] * x_scale);
     }
-    store_output(o, acc, out, n_out);
+    store_output(o, acc, out, n_out, accumulate);
 }

@@ -130,10 +130,16 @@ run | formats)
         echo
         timeout 60 "$bin" bench parity --model smollm2-135m --device cuda:0 --tokens 64 || true
     } 2>&1 | tee -a "$out/parity.md"
-    timeout 90 "$bin" bench engine --model smollm2-135m --device cuda:0 \
+    # Decode steps replayed as CUDA graphs beside the same steps launched kernel by kernel.
+    timeout 120 "$bin" bench engine --model smollm2-135m --device cuda:0 --cuda-graphs on,off \
         --batch 1,2,4,8,16,32,64 2>&1 | tee "$out/engine-gpu.md" || status=1
+    timeout 90 "$bin" bench engine --model smollm2-135m --device cuda:0 --weights bf16 \
+        --cuda-graphs on,off --batch 1,8,64 2>&1 | tee "$out/engine-gpu-bf16.md" || status=1
     timeout 60 "$bin" bench engine --model smollm2-135m-skip7 --device cuda:0 --batch 1,8,64 \
         2>&1 | tee "$out/engine-gpu-skip7.md" || status=1
+    # Each model's step alone, alternating with the other, and beside it on its own stream.
+    timeout 90 "$bin" bench engine --model smollm2-135m --concurrent-with smollm2-135m-skip7 \
+        --device cuda:0 --batch 1,8 2>&1 | tee "$out/engine-gpu-concurrent.md" || status=1
     # The step profiles measured on the GPU around every cell price the profile prediction
     # (the configured ones are the CPU's).
     timeout 240 "$bin" bench routing --device cuda:0 --policy r2r --concurrency 8 \

@@ -526,6 +526,11 @@ pub struct ModelConfig {
     /// Where the model runs: `"cpu"` or `"cuda:N"` (GPU N, in a build with `--features cuda`).
     #[serde(default)]
     pub device: ModelDevice,
+    /// On a GPU, replay decode steps as CUDA graphs captured per bucket of rows (the same
+    /// tokens as launching each kernel; a small model's step costs a fraction). Ignored on
+    /// the CPU.
+    #[serde(default = "default_cuda_graphs")]
+    pub cuda_graphs: bool,
     /// KV cache budget in tokens (summed over all sequences this model holds).
     #[serde(default = "default_kv_tokens")]
     pub kv_tokens: usize,
@@ -721,6 +726,10 @@ fn default_threads() -> usize {
 
 /// The shortest header deadline actix-web keeps reliably.
 const MIN_HEADER_TIMEOUT_MS: u64 = 1000;
+
+fn default_cuda_graphs() -> bool {
+    true
+}
 
 fn default_kv_tokens() -> usize {
     32_768

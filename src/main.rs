@@ -407,6 +407,11 @@ struct BenchEngineArgs {
     /// Device for the model(s) (`cpu` or `cuda:N`), overriding the config's `device`.
     #[arg(long)]
     device: Option<tokenrouter::config::ModelDevice>,
+    /// On a GPU: decode steps replayed as CUDA graphs or launched kernel by kernel, one
+    /// report per setting, in this order (e.g. `on,off`); the config's `cuda_graphs` when
+    /// absent.
+    #[arg(long, value_delimiter = ',', value_parser = parse_on_off)]
+    cuda_graphs: Vec<bool>,
     /// Instead: step this model and MODEL in turn on one thread, then at the same time on
     /// their own threads, and report each one's step time both ways against running alone.
     #[arg(long, value_name = "OTHER_MODEL")]
@@ -706,6 +711,14 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
 }
 
 /// A `weights` value as the config file spells it.
+fn parse_on_off(value: &str) -> Result<bool, String> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("`{other}` is not `on` or `off`")),
+    }
+}
+
 fn parse_weight_precision(value: &str) -> Result<WeightPrecision, String> {
     serde_json::from_value(json!(value)).map_err(|e| format!("{e}"))
 }
@@ -728,6 +741,15 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         model.path = path.clone();
     }
     model.weights = args.weights.unwrap_or(model.weights);
+    let on_gpu = matches!(model.device, tokenrouter::config::ModelDevice::Cuda(_));
+    if !args.cuda_graphs.is_empty() && !on_gpu {
+        anyhow::bail!("--cuda-graphs applies to a model on a GPU (--device cuda:N)");
+    }
+    let graph_settings = match args.cuda_graphs.is_empty() {
+        true => vec![model.cuda_graphs],
+        false => args.cuda_graphs.clone(),
+    };
+    model.cuda_graphs = graph_settings[0];
     let mut executor = load_executor(&model)?;
     let load_peak_rss_mib = bench::soak::peak_rss_mib(std::process::id());
     let settings = bench::engine::EngineBenchSettings {
@@ -770,14 +792,26 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     }
     let weights = serde_json::to_value(model.weights)?;
     let weights = weights.as_str().unwrap_or("stored");
-    let report = bench::engine::run(
-        executor.as_mut(),
-        model.threads,
-        weights,
-        load_peak_rss_mib,
-        &settings,
-    )?;
-    print_report(args.json, &report, |r| r.markdown())
+    for (i, &cuda_graphs) in graph_settings.iter().enumerate() {
+        if i > 0 {
+            // One copy of the model in memory at a time.
+            drop(executor);
+            executor = load_executor(&ModelConfig {
+                cuda_graphs,
+                ..model.clone()
+            })?;
+        }
+        let report = bench::engine::run(
+            executor.as_mut(),
+            model.threads,
+            weights,
+            on_gpu.then_some(cuda_graphs),
+            load_peak_rss_mib,
+            &settings,
+        )?;
+        print_report(args.json, &report, |r| r.markdown())?;
+    }
+    Ok(())
 }
 
 /// A report as one JSON line (`--json`) or as Markdown.

@@ -326,6 +326,56 @@ fn tiny_models_in_dense_gpu_formats_follow_the_cpu() {
     }
 }
 
+/// Decode steps replayed as CUDA graphs (ragged batches of 1 to 64 rows, each padded to its
+/// bucket) give exactly the eager steps' tokens; with integer kernels, whose rows never mix,
+/// exactly their logits too. Prompts run eagerly in both.
+#[test]
+fn graph_replay_decodes_exactly_as_eager_steps() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (arch, dtype) in [
+        (Arch::Llama, GgmlDType::Q4_1),
+        (Arch::Gemma3, GgmlDType::Q8_0),
+        (Arch::Qwen2, GgmlDType::F32),
+    ] {
+        let path = common::write_gguf(&dir.path().join("m.gguf"), &TinySpec::new(arch), dtype);
+        let config = common::model_config("tiny", &path);
+        let mut graphs = on_gpu(&config);
+        let mut eager = on_gpu(&ModelConfig {
+            cuda_graphs: false,
+            ..config.clone()
+        });
+        for rows in [1usize, 3, 8, 13, 33, 64] {
+            let prompts: Vec<Vec<u32>> = (0..rows)
+                .map(|i| {
+                    (0..1 + (i * 7) % 23)
+                        .map(|j| 4 + ((j * 29 + i * 11) % 260) as u32)
+                        .collect()
+                })
+                .collect();
+            let what = format!("{arch:?} {dtype:?} {rows} rows");
+            let (replayed, replayed_out) = decode(&mut graphs, &prompts, 6);
+            let (launched, launched_out) = decode(&mut eager, &prompts, 6);
+            assert_eq!(replayed, launched, "{what}");
+            if dtype != GgmlDType::F32 {
+                for (r, l) in replayed_out.iter().zip(&launched_out) {
+                    assert_eq!(r.logits, l.logits, "{what}: position {}", l.position);
+                    assert_eq!(r.hidden, l.hidden, "{what}: position {}", l.position);
+                }
+            }
+            let bucket = tokenrouter::engine::step_inputs::decode_bucket(rows).unwrap();
+            assert!(
+                graphs.captured_graph_buckets().contains(&bucket),
+                "{what}: no graph captured for {bucket} rows"
+            );
+            assert_eq!(graphs.kv_usage().used_tokens, 0, "{what}");
+        }
+        assert!(eager.captured_graph_buckets().is_empty(), "{arch:?}");
+    }
+}
+
 #[test]
 fn gpu_batched_equals_unbatched_and_shared_prefixes_keep_their_kv() {
     if !gpu_or_skip() {

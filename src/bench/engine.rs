@@ -21,6 +21,8 @@ pub struct EngineBenchRow {
     pub batch: usize,
     pub step_ms_median: f64,
     pub tokens_per_s: f64,
+    /// Kernels one step of this batch launches, where the backend launches kernels (GPU).
+    pub kernels_per_step: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -70,6 +72,8 @@ pub struct EngineBenchReport {
     pub model: String,
     pub threads: usize,
     pub weights: String,
+    /// Whether decode steps replay CUDA graphs; `None` off the GPU.
+    pub cuda_graphs: Option<bool>,
     pub rows: Vec<EngineBenchRow>,
     pub fit: AffineFit,
     pub prefill: PrefillResult,
@@ -320,7 +324,7 @@ impl ConstrainedStep {
 fn interleaved_median_step_ms(
     executor: &mut dyn StepExecutor,
     settings: &EngineBenchSettings,
-) -> EngineResult<Vec<f64>> {
+) -> EngineResult<Vec<(f64, Option<usize>)>> {
     let mut decodes = Vec::with_capacity(settings.batches.len());
     let mut first_seq = 0;
     for &batch in &settings.batches {
@@ -333,18 +337,20 @@ fn interleaved_median_step_ms(
         first_seq += batch as u64;
     }
     let mut times = vec![Vec::with_capacity(settings.steps); decodes.len()];
+    let mut kernels = vec![None; decodes.len()];
     for round in 0..settings.steps + 2 {
-        for (decode, times) in decodes.iter_mut().zip(&mut times) {
+        for ((decode, times), kernels) in decodes.iter_mut().zip(&mut times).zip(&mut kernels) {
             let elapsed = decode.step(executor)?;
             if round >= 2 {
                 times.push(elapsed);
             }
+            *kernels = executor.kernels_last_step();
         }
     }
     for decode in decodes {
         decode.finish(executor);
     }
-    Ok(times.iter_mut().map(|t| median(t)).collect())
+    Ok(times.iter_mut().map(|t| median(t)).zip(kernels).collect())
 }
 
 /// The median step per batch size, its affine fit and the prefill time.
@@ -358,10 +364,11 @@ fn steps_and_prefill(
         .batches
         .iter()
         .zip(step_ms)
-        .map(|(&batch, step_ms)| EngineBenchRow {
+        .map(|(&batch, (step_ms, kernels_per_step))| EngineBenchRow {
             batch,
             step_ms_median: step_ms,
             tokens_per_s: batch as f64 * 1e3 / step_ms,
+            kernels_per_step,
         })
         .collect();
     // The tuner's own fit (least squares, clamped to a, c ≥ 0), so the profile it reads back
@@ -438,6 +445,7 @@ pub fn run(
     executor: &mut dyn StepExecutor,
     threads: usize,
     weights: &str,
+    cuda_graphs: Option<bool>,
     load_peak_rss_mib: Option<f64>,
     settings: &EngineBenchSettings,
 ) -> EngineResult<EngineBenchReport> {
@@ -455,6 +463,7 @@ pub fn run(
         model: executor.name().to_string(),
         threads,
         weights: weights.to_string(),
+        cuda_graphs,
         rows,
         fit,
         prefill,
@@ -466,13 +475,21 @@ pub fn run(
 
 impl EngineBenchReport {
     pub fn markdown(&self) -> String {
+        let graphs = match self.cuda_graphs {
+            Some(true) => ", CUDA graphs on",
+            Some(false) => ", CUDA graphs off",
+            None => "",
+        };
         let mut out = format!(
-            "model `{}` ({} weights), {} thread(s)\n\n| batch | step ms (median) | tokens/s |\n|---:|---:|---:|\n",
+            "model `{}` ({} weights), {} thread(s){graphs}\n\n| batch | step ms (median) | tokens/s | kernels/step |\n|---:|---:|---:|---:|\n",
             self.model, self.weights, self.threads
         );
         for r in &self.rows {
+            let kernels = r
+                .kernels_per_step
+                .map_or("–".to_string(), |k| k.to_string());
             out += &format!(
-                "| {} | {:.2} | {:.1} |\n",
+                "| {} | {:.2} | {:.1} | {kernels} |\n",
                 r.batch, r.step_ms_median, r.tokens_per_s
             );
         }

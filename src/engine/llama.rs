@@ -96,16 +96,24 @@ pub fn embedding_row(embedding: &[f32], hidden: usize, token: u32) -> &[f32] {
     &embedding[t * hidden..(t + 1) * hidden]
 }
 
-/// The input rows of `tokens`, one after another: `[tokens, hidden]` (Gemma scales its
-/// embedding rows by √hidden, as it was trained).
-pub fn embed_tokens(embedding: &[f32], hp: &Hyperparams, tokens: &[u32]) -> Vec<f32> {
+/// What the embedding rows are multiplied by: Gemma scales them by √hidden, as it was
+/// trained; other models take them as they are.
+pub fn embedding_scale(hp: &Hyperparams) -> f32 {
+    match hp.gemma {
+        Some(_) => (hp.hidden as f32).sqrt(),
+        None => 1.0,
+    }
+}
+
+/// The input rows of `tokens`, one after another: `[tokens, hidden]`.
+fn embed_tokens(embedding: &[f32], hp: &Hyperparams, tokens: &[u32]) -> Vec<f32> {
     let hidden = hp.hidden;
     let mut x = Vec::with_capacity(tokens.len() * hidden);
     for &t in tokens {
         x.extend_from_slice(embedding_row(embedding, hidden, t));
     }
-    if hp.gemma.is_some() {
-        let scale = (hidden as f32).sqrt();
+    let scale = embedding_scale(hp);
+    if scale != 1.0 {
         x.iter_mut().for_each(|v| *v *= scale);
     }
     x

@@ -16,6 +16,7 @@ pub mod sampling;
 pub mod shared_text;
 pub(crate) mod simulated;
 pub mod spelling;
+pub mod step_inputs;
 pub mod tokenizer;
 pub mod weights;
 
@@ -76,6 +77,13 @@ pub trait StepExecutor: Send {
     /// Bytes of weights one decode step reads from host memory (`bench engine`'s bandwidth
     /// bound); `None` where the weights live elsewhere or are simulated.
     fn weight_bytes_per_step(&self) -> Option<u64> {
+        None
+    }
+
+    /// Kernels the last step launched (a replayed graph's counted as its own), where the
+    /// backend launches kernels: `bench engine` reports it, since on a GPU a small model's
+    /// step costs about what its launches do.
+    fn kernels_last_step(&self) -> Option<usize> {
         None
     }
 

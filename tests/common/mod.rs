@@ -537,6 +537,7 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         latency_profile_ms: None,
         threads: 1,
         device: Default::default(),
+        cuda_graphs: true,
         kv_tokens: 4096,
         weights: tokenrouter::config::WeightPrecision::Stored,
         layers: None,

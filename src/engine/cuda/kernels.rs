@@ -83,6 +83,8 @@ macro_rules! kernels {
 
 kernels! {
     rms_norm in "elementwise.cu",
+    rms_norm_in_place in "elementwise.cu",
+    embed_rows in "elementwise.cu",
     add_in_place in "elementwise.cu",
     add_bias_rows in "elementwise.cu",
     silu_mul in "elementwise.cu",

@@ -5,8 +5,10 @@ use super::gpu_error;
 use super::kernels::Kernels;
 use crate::error::EngineResult;
 use cudarc::driver::{
-    CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
 };
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Threads per block of the element-wise kernels.
@@ -17,6 +19,8 @@ const WARPS: u32 = 4;
 pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub kernels: Kernels,
+    /// Kernels launched (and cuBLAS calls made) so far: what `bench engine` reports per step.
+    launches: AtomicUsize,
 }
 
 fn grid_1d(n: usize) -> LaunchConfig {
@@ -37,17 +41,59 @@ fn per_row(rows: usize) -> LaunchConfig {
 
 /// Where each row of a step attends: its position and its sequence's block table.
 pub struct AttentionRows<'a> {
-    pub positions: &'a CudaSlice<i32>,
-    pub row_tables: &'a CudaSlice<i32>,
-    pub block_table: &'a CudaSlice<i32>,
+    pub positions: CudaView<'a, i32>,
+    pub row_tables: CudaView<'a, i32>,
+    pub block_table: CudaView<'a, i32>,
 }
 
 impl Gpu {
+    pub fn new(stream: Arc<CudaStream>, kernels: Kernels) -> Self {
+        Self {
+            stream,
+            kernels,
+            launches: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn launches(&self) -> usize {
+        self.launches.load(Ordering::Relaxed)
+    }
+
+    /// Counts launches made outside `launch` (a cuBLAS call, a graph's kernels).
+    pub fn count_launches(&self, n: usize) {
+        self.launches.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Launches a kernel whose arguments are pushed, and counts it.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters and every buffer must hold what
+    /// `config`'s threads index.
+    pub unsafe fn launch(
+        &self,
+        mut launch: LaunchArgs<'_>,
+        config: LaunchConfig,
+    ) -> EngineResult<()> {
+        self.count_launches(1);
+        // SAFETY: the caller's contract.
+        unsafe { launch.launch(config) }.map_err(gpu_error)?;
+        Ok(())
+    }
+
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> EngineResult<CudaSlice<T>> {
         self.stream.clone_htod(host).map_err(gpu_error)
     }
 
-    pub fn download<T: DeviceRepr>(&self, device: &CudaSlice<T>) -> EngineResult<Vec<T>> {
+    /// Copies `host` into the start of `device` (no allocation: a graph's inputs).
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        device: &mut CudaSlice<T>,
+    ) -> EngineResult<()> {
+        self.stream.memcpy_htod(host, device).map_err(gpu_error)
+    }
+
+    pub fn download<T: DeviceRepr>(&self, device: &impl DevicePtr<T>) -> EngineResult<Vec<T>> {
         self.stream.clone_dtoh(device).map_err(gpu_error)
     }
 
@@ -55,21 +101,51 @@ impl Gpu {
         self.stream.alloc_zeros(n).map_err(gpu_error)
     }
 
-    /// `x [rows, dim]` (whole rows of `weight.len()`) normalised row by row into a new buffer.
+    /// `x [rows, dim]` (whole rows of `weight.len()`) normalised row by row into `out`.
     pub fn rms_norm(
         &self,
         x: &CudaSlice<f32>,
         weight: &CudaSlice<f32>,
         eps: f32,
-    ) -> EngineResult<CudaSlice<f32>> {
+        out: &mut CudaSlice<f32>,
+    ) -> EngineResult<()> {
         let rows = x.len() / weight.len();
         let dim = weight.len() as i32;
-        let mut out = self.zeros::<f32>(x.len())?;
         let mut launch = self.stream.launch_builder(&self.kernels.rms_norm);
-        launch.arg(x).arg(weight).arg(&mut out).arg(&dim).arg(&eps);
+        launch.arg(x).arg(weight).arg(out).arg(&dim).arg(&eps);
         // SAFETY: x and out hold `rows · dim` floats; one block per row.
-        unsafe { launch.launch(per_row(rows)) }.map_err(gpu_error)?;
-        Ok(out)
+        unsafe { self.launch(launch, per_row(rows)) }
+    }
+
+    /// `rms_norm` of every row of `x` in place.
+    pub fn rms_norm_in_place(
+        &self,
+        x: &mut CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+    ) -> EngineResult<()> {
+        let rows = x.len() / weight.len();
+        let dim = weight.len() as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.rms_norm_in_place);
+        launch.arg(x).arg(weight).arg(&dim).arg(&eps);
+        // SAFETY: x holds `rows · dim` floats; one block per row.
+        unsafe { self.launch(launch, per_row(rows)) }
+    }
+
+    /// Rows `ids[r]` of `table [vocab, dim]` times `scale` into `out [ids.len(), dim]`.
+    pub fn embed_rows(
+        &self,
+        table: &CudaSlice<f32>,
+        ids: &CudaView<i32>,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> EngineResult<()> {
+        let dim = (out.len() / ids.len()) as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.embed_rows);
+        launch.arg(table).arg(ids).arg(out).arg(&dim).arg(&scale);
+        // SAFETY: every id is a row of the table (`plan_step` checks tokens against the
+        // vocabulary; padding rows read row 0).
+        unsafe { self.launch(launch, per_row(ids.len())) }
     }
 
     pub fn add_in_place(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> EngineResult<()> {
@@ -77,19 +153,21 @@ impl Gpu {
         let mut launch = self.stream.launch_builder(&self.kernels.add_in_place);
         launch.arg(x).arg(y).arg(&n);
         // SAFETY: both hold n floats.
-        unsafe { launch.launch(grid_1d(n as usize)) }.map_err(gpu_error)?;
-        Ok(())
+        unsafe { self.launch(launch, grid_1d(n as usize)) }
     }
 
-    /// `x` rounded to bf16 (to nearest even), as raw bits.
-    pub fn to_bf16(&self, x: &CudaSlice<f32>) -> EngineResult<CudaSlice<u16>> {
-        let n = x.len() as i64;
-        let mut out = self.zeros::<u16>(x.len())?;
+    /// The first `n` floats of `x` rounded to bf16 (to nearest even), as raw bits, into `out`.
+    pub fn to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> EngineResult<()> {
+        let n_arg = n as i64;
         let mut launch = self.stream.launch_builder(&self.kernels.to_bf16);
-        launch.arg(x).arg(&mut out).arg(&n);
-        // SAFETY: x and out hold n elements each.
-        unsafe { launch.launch(grid_1d(n as usize)) }.map_err(gpu_error)?;
-        Ok(out)
+        launch.arg(x).arg(out).arg(&n_arg);
+        // SAFETY: x and out hold at least n elements each.
+        unsafe { self.launch(launch, grid_1d(n)) }
     }
 
     pub fn add_bias_rows(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> EngineResult<()> {
@@ -97,8 +175,7 @@ impl Gpu {
         let mut launch = self.stream.launch_builder(&self.kernels.add_bias_rows);
         launch.arg(x).arg(bias).arg(&n).arg(&dim);
         // SAFETY: x holds whole rows of `dim`.
-        unsafe { launch.launch(grid_1d(n as usize)) }.map_err(gpu_error)?;
-        Ok(())
+        unsafe { self.launch(launch, grid_1d(n as usize)) }
     }
 
     /// The MLP's gating in place: `gate <- act(gate) * up`, with SiLU (SwiGLU) or, for
@@ -117,32 +194,28 @@ impl Gpu {
         let mut launch = self.stream.launch_builder(kernel);
         launch.arg(gate).arg(up).arg(&n);
         // SAFETY: both hold n floats.
-        unsafe { launch.launch(grid_1d(n as usize)) }.map_err(gpu_error)?;
-        Ok(())
+        unsafe { self.launch(launch, grid_1d(n as usize)) }
     }
 
-    /// Rows `rows[i]` of `src [_, dim]` into a new `[rows.len(), dim]`.
+    /// Rows `rows[i]` of `src [_, dim]` into `out [rows.len(), dim]`.
     pub fn gather_rows(
         &self,
         src: &CudaSlice<f32>,
-        rows: &[i32],
-        dim: usize,
-    ) -> EngineResult<CudaSlice<f32>> {
-        let indices = self.upload(rows)?;
-        let mut out = self.zeros::<f32>(rows.len() * dim)?;
-        let dim = dim as i32;
+        rows: &CudaSlice<i32>,
+        out: &mut CudaSlice<f32>,
+    ) -> EngineResult<()> {
+        let dim = (out.len() / rows.len()) as i32;
         let mut launch = self.stream.launch_builder(&self.kernels.gather_rows);
-        launch.arg(src).arg(&indices).arg(&mut out).arg(&dim);
+        launch.arg(src).arg(rows).arg(out).arg(&dim);
         // SAFETY: every index is a row of src (the caller's segments).
-        unsafe { launch.launch(per_row(rows.len())) }.map_err(gpu_error)?;
-        Ok(out)
+        unsafe { self.launch(launch, per_row(rows.len())) }
     }
 
     /// Rotates `x [rows, heads, head_dim]` in place by each row's position.
     pub fn rope(
         &self,
         x: &mut CudaSlice<f32>,
-        positions: &CudaSlice<i32>,
+        positions: &CudaView<i32>,
         inv_freq: &CudaSlice<f32>,
         heads: usize,
         interleaved: bool,
@@ -161,17 +234,17 @@ impl Gpu {
             .arg(&dim_arg)
             .arg(&interleaved);
         // SAFETY: x holds rows · heads · head_dim floats.
-        unsafe { launch.launch(grid_1d(rows * heads * head_dim / 2)) }.map_err(gpu_error)?;
-        Ok(())
+        unsafe { self.launch(launch, grid_1d(rows * heads * head_dim / 2)) }
     }
 
-    /// Writes `k`, `v` `[rows, kv_dim]` into the cache slots `slots[row]` at `layer_offset`.
+    /// Writes `k`, `v` `[rows, kv_dim]` into the cache slots `slots[row]` at `layer_offset`
+    /// (none for a padding row's negative slot).
     #[allow(clippy::too_many_arguments)]
     pub fn kv_append(
         &self,
         k: &CudaSlice<f32>,
         v: &CudaSlice<f32>,
-        slots: &CudaSlice<i32>,
+        slots: &CudaView<i32>,
         k_cache: &mut CudaSlice<u16>,
         v_cache: &mut CudaSlice<u16>,
         layer_offset: usize,
@@ -190,8 +263,7 @@ impl Gpu {
             .arg(&rows_arg)
             .arg(&dim_arg);
         // SAFETY: every slot was allocated to its row's sequence (`PagedKv::ensure`).
-        unsafe { launch.launch(grid_1d(rows * kv_dim)) }.map_err(gpu_error)?;
-        Ok(())
+        unsafe { self.launch(launch, grid_1d(rows * kv_dim)) }
     }
 
     /// Copies cache blocks `from[i]` → `to[i]` in every layer.
@@ -221,12 +293,11 @@ impl Gpu {
             .arg(&dim_arg);
         let elements = from.len() * layers * crate::engine::kv::BLOCK_TOKENS * kv_dim;
         // SAFETY: block ids index the cache's blocks.
-        unsafe { launch.launch(grid_1d(elements)) }.map_err(gpu_error)?;
-        Ok(())
+        unsafe { self.launch(launch, grid_1d(elements)) }
     }
 
     /// Causal attention of `q [rows, heads, head_dim]` over each row's sequence in one layer
-    /// (over its last `window` positions, for a sliding-window layer).
+    /// (over its last `window` positions, for a sliding-window layer), into `out`.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -239,9 +310,9 @@ impl Gpu {
         kv_heads: usize,
         head_dim: usize,
         window: Option<usize>,
-    ) -> EngineResult<CudaSlice<f32>> {
+        out: &mut CudaSlice<f32>,
+    ) -> EngineResult<()> {
         let rows = layout.positions.len();
-        let mut out = self.zeros::<f32>(rows * heads * head_dim)?;
         let offset = layer_offset as i64;
         let (heads_arg, kv_heads_arg, dim_arg) = (heads as i32, kv_heads as i32, head_dim as i32);
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -251,10 +322,10 @@ impl Gpu {
             .arg(q)
             .arg(k_cache)
             .arg(v_cache)
-            .arg(&mut out)
-            .arg(layout.positions)
-            .arg(layout.row_tables)
-            .arg(layout.block_table)
+            .arg(out)
+            .arg(&layout.positions)
+            .arg(&layout.row_tables)
+            .arg(&layout.block_table)
             .arg(&offset)
             .arg(&heads_arg)
             .arg(&kv_heads_arg)
@@ -267,38 +338,34 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         // SAFETY: each row's table covers its visible positions (`PagedKv::ensure`).
-        unsafe { launch.launch(config) }.map_err(gpu_error)?;
-        Ok(out)
+        unsafe { self.launch(launch, config) }
     }
 
-    /// `[rows, vocab]` logits → per row (max, Z', Σ e·shift) and the first argmax.
+    /// `[rows, vocab]` logits → per row (max, Z', Σ e·shift) into `stats [rows, 3]` and the
+    /// first argmax into `argmax [rows]`.
     pub fn logit_stats(
         &self,
         logits: &CudaSlice<f32>,
         rows: usize,
-    ) -> EngineResult<(Vec<f32>, Vec<i32>)> {
+        stats: &mut CudaSlice<f32>,
+        argmax: &mut CudaSlice<i32>,
+    ) -> EngineResult<()> {
         let vocab = (logits.len() / rows.max(1)) as i32;
-        let mut stats = self.zeros::<f32>(rows * 3)?;
-        let mut argmax = self.zeros::<i32>(rows)?;
         let mut launch = self.stream.launch_builder(&self.kernels.logit_stats);
-        launch
-            .arg(logits)
-            .arg(&vocab)
-            .arg(&mut stats)
-            .arg(&mut argmax);
-        // SAFETY: logits hold rows · vocab floats.
-        unsafe { launch.launch(per_row(rows)) }.map_err(gpu_error)?;
-        Ok((self.download(&stats)?, self.download(&argmax)?))
+        launch.arg(logits).arg(&vocab).arg(stats).arg(argmax);
+        // SAFETY: logits hold rows · vocab floats, the outputs a row's each.
+        unsafe { self.launch(launch, per_row(rows)) }
     }
 
-    /// `[rows, vocab]` logits → per row its `k` largest as `(token, logit)`, largest first.
+    /// The first `rows` rows of `[_, vocab]` logits → per row its `k` largest as
+    /// `(token, logit)`, largest first.
     pub fn top_k(
         &self,
         logits: &CudaSlice<f32>,
         rows: usize,
+        vocab: usize,
         k: usize,
     ) -> EngineResult<Vec<Vec<(u32, f32)>>> {
-        let vocab = logits.len() / rows.max(1);
         let k = k.min(vocab);
         let mut indices = self.zeros::<i32>(rows * k)?;
         let mut values = self.zeros::<f32>(rows * k)?;
@@ -310,8 +377,8 @@ impl Gpu {
             .arg(&k_arg)
             .arg(&mut indices)
             .arg(&mut values);
-        // SAFETY: logits hold rows · vocab floats, the outputs rows · k.
-        unsafe { launch.launch(per_row(rows)) }.map_err(gpu_error)?;
+        // SAFETY: logits hold at least rows · vocab floats, the outputs rows · k.
+        unsafe { self.launch(launch, per_row(rows)) }?;
         let (indices, values) = (self.download(&indices)?, self.download(&values)?);
         Ok(indices
             .chunks(k)

@@ -43,6 +43,9 @@ enum Weights {
     Bf16(CudaSlice<u16>),
 }
 
+/// A matrix's input format: its activation quantization, and whether it takes bf16.
+type InputKind = (Option<ActivationFormat>, bool);
+
 /// A `[n_out, k_in]` weight matrix on the device.
 pub struct DeviceMatrix {
     n_out: usize,
@@ -57,6 +60,52 @@ struct QuantizedActivations {
     quants: CudaSlice<i8>,
     scales: CudaSlice<f32>,
     scaled_sums: CudaSlice<f32>,
+}
+
+/// A step's scratch for matrix inputs, allocated once per step shape (a captured graph keeps
+/// its own): the 8-bit activations in each format the model's integer matrices take, and
+/// bf16 activations for its bf16 matrices, each for up to `rows × k_max` inputs.
+pub struct ActivationScratch {
+    quantized: Vec<(ActivationFormat, QuantizedActivations)>,
+    bf16: Option<CudaSlice<u16>>,
+}
+
+impl ActivationScratch {
+    pub fn new<'m>(
+        gpu: &Gpu,
+        matrices: impl IntoIterator<Item = &'m DeviceMatrix>,
+        rows: usize,
+        k_max: usize,
+    ) -> EngineResult<Self> {
+        let (mut formats, mut bf16) = (Vec::new(), false);
+        for m in matrices {
+            if let Some(format) = m.activations.filter(|f| !formats.contains(f)) {
+                formats.push(format);
+            }
+            bf16 |= matches!(m.weights, Weights::Bf16(_));
+        }
+        let inputs = rows * k_max;
+        let quantized = formats
+            .into_iter()
+            .map(|format| {
+                let buffers = QuantizedActivations {
+                    quants: gpu.zeros::<i8>(inputs)?,
+                    scales: gpu.zeros::<f32>(inputs / BLOCK)?,
+                    scaled_sums: gpu.zeros::<f32>(inputs / BLOCK)?,
+                };
+                Ok((format, buffers))
+            })
+            .collect::<EngineResult<_>>()?;
+        let bf16 = bf16.then(|| gpu.zeros::<u16>(inputs)).transpose()?;
+        Ok(Self { quantized, bf16 })
+    }
+
+    fn quantized(&self, format: Option<ActivationFormat>) -> Option<&QuantizedActivations> {
+        self.quantized
+            .iter()
+            .find(|(f, _)| Some(*f) == format)
+            .map(|(_, q)| q)
+    }
 }
 
 impl DeviceMatrix {
@@ -112,79 +161,123 @@ impl DeviceMatrix {
         matches!(self.weights, Weights::Dense(_) | Weights::Bf16(_))
     }
 
-    /// `x [rows, k_in]` × Wᵢᵀ for matrices sharing one input (q/k/v; gate/up): the input is
-    /// quantized once per activation format among them.
+    /// `x [rows, k_in]` × Wᵢᵀ into each `outᵢ [rows, n_outᵢ]`, for matrices sharing one input
+    /// (q/k/v; gate/up): the input is quantized (or rounded to bf16) once per format.
     pub fn matmul_each<const N: usize>(
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
-        matrices: [&Self; N],
+        products: [(&Self, &mut CudaSlice<f32>); N],
         x: &CudaSlice<f32>,
         rows: usize,
-    ) -> EngineResult<[CudaSlice<f32>; N]> {
-        let k_in = matrices[0].k_in;
-        let mut quantized: Vec<(ActivationFormat, QuantizedActivations)> = Vec::new();
-        for format in matrices.iter().filter_map(|m| m.activations) {
-            if quantized.iter().all(|(f, _)| *f != format) {
-                quantized.push((format, quantize(gpu, x, rows, k_in, format)?));
+        scratch: &mut ActivationScratch,
+    ) -> EngineResult<()> {
+        let mut prepared: Vec<InputKind> = Vec::new();
+        for (m, _) in &products {
+            if !prepared.contains(&m.input_kind()) {
+                prepared.push(m.input_kind());
+                m.prepare(gpu, x, rows, scratch)?;
             }
         }
-        let mut outs = Vec::with_capacity(N);
-        for m in matrices {
-            let input = quantized
-                .iter()
-                .find(|(f, _)| Some(*f) == m.activations)
-                .map(|(_, q)| q);
-            outs.push(m.apply(gpu, blas, x, input, rows)?);
+        for (m, out) in products {
+            m.apply(gpu, blas, x, scratch, rows, out, false)?;
         }
-        Ok(outs
-            .try_into()
-            .unwrap_or_else(|_| unreachable!("one output per matrix")))
+        Ok(())
     }
 
+    /// `out += x × Wᵀ`: a projection that ends in the residual stream, the add folded into
+    /// the product.
+    pub fn matmul_add(
+        &self,
+        gpu: &Gpu,
+        blas: Option<&CudaBlas>,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        scratch: &mut ActivationScratch,
+        out: &mut CudaSlice<f32>,
+    ) -> EngineResult<()> {
+        self.prepare(gpu, x, rows, scratch)?;
+        self.apply(gpu, blas, x, scratch, rows, out, true)
+    }
+
+    /// `out = x × Wᵀ`.
     pub fn matmul(
         &self,
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
         x: &CudaSlice<f32>,
         rows: usize,
-    ) -> EngineResult<CudaSlice<f32>> {
-        let [out] = Self::matmul_each(gpu, blas, [self], x, rows)?;
-        Ok(out)
+        scratch: &mut ActivationScratch,
+        out: &mut CudaSlice<f32>,
+    ) -> EngineResult<()> {
+        Self::matmul_each(gpu, blas, [(self, out)], x, rows, scratch)
     }
 
+    /// What this matrix multiplies: activations quantized in a format, or rounded to bf16, or
+    /// f32 as they are.
+    fn input_kind(&self) -> InputKind {
+        (self.activations, matches!(self.weights, Weights::Bf16(_)))
+    }
+
+    /// Quantizes or rounds `x` as this matrix takes it, into `scratch`.
+    fn prepare(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        scratch: &mut ActivationScratch,
+    ) -> EngineResult<()> {
+        if let Some(format) = self.activations {
+            quantize(gpu, x, rows, self.k_in, format, scratch)?;
+        }
+        if matches!(self.weights, Weights::Bf16(_)) {
+            let bf16 = scratch.bf16.as_mut().ok_or_else(missing_scratch)?;
+            gpu.to_bf16(x, rows * self.k_in, bf16)?;
+        }
+        Ok(())
+    }
+
+    /// `out (+)= x × Wᵀ` on inputs `prepare` left in `scratch`.
+    #[allow(clippy::too_many_arguments)]
     fn apply(
         &self,
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
         x: &CudaSlice<f32>,
-        quantized: Option<&QuantizedActivations>,
+        scratch: &ActivationScratch,
         rows: usize,
-    ) -> EngineResult<CudaSlice<f32>> {
-        let mut out = gpu.zeros::<f32>(rows * self.n_out)?;
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> EngineResult<()> {
         let (n_out, blocks) = (self.n_out as i32, (self.k_in / BLOCK) as i32);
+        let accumulate_arg = accumulate as i32;
         let config = Gpu::warps(self.n_out, rows);
-        match (&self.weights, quantized) {
-            (Weights::Q8_0 { quants, scales }, Some(x)) => {
+        let quantized = || {
+            scratch
+                .quantized(self.activations)
+                .ok_or_else(missing_scratch)
+        };
+        match &self.weights {
+            Weights::Q8_0 { quants, scales } => {
+                let x = quantized()?;
                 let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q8_0);
                 launch
                     .arg(quants)
                     .arg(scales)
                     .arg(&x.quants)
                     .arg(&x.scales)
-                    .arg(&mut out)
+                    .arg(out)
                     .arg(&n_out)
-                    .arg(&blocks);
+                    .arg(&blocks)
+                    .arg(&accumulate_arg);
                 // SAFETY: quants hold n_out · k_in bytes, x holds rows · k_in quants.
-                unsafe { launch.launch(config) }.map_err(gpu_error)?;
+                unsafe { gpu.launch(launch, config) }
             }
-            (
-                Weights::Q6K {
-                    quants,
-                    first,
-                    second,
-                },
-                Some(x),
-            ) => {
+            Weights::Q6K {
+                quants,
+                first,
+                second,
+            } => {
+                let x = quantized()?;
                 let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q6_k);
                 launch
                     .arg(quants)
@@ -192,22 +285,21 @@ impl DeviceMatrix {
                     .arg(second)
                     .arg(&x.quants)
                     .arg(&x.scales)
-                    .arg(&mut out)
+                    .arg(out)
                     .arg(&n_out)
-                    .arg(&blocks);
+                    .arg(&blocks)
+                    .arg(&accumulate_arg);
                 // SAFETY: quants hold n_out · k_in bytes and each half's scales one f32 per
                 // block, x holds rows · k_in quants.
-                unsafe { launch.launch(config) }.map_err(gpu_error)?;
+                unsafe { gpu.launch(launch, config) }
             }
-            (
-                Weights::Q4 {
-                    quants,
-                    high,
-                    scales,
-                    offsets,
-                },
-                Some(x),
-            ) => {
+            Weights::Q4 {
+                quants,
+                high,
+                scales,
+                offsets,
+            } => {
+                let x = quantized()?;
                 let mut launch = match high {
                     Some(high) => {
                         let mut launch = gpu.stream.launch_builder(&gpu.kernels.qmatmul_q5);
@@ -226,17 +318,16 @@ impl DeviceMatrix {
                     .arg(&x.quants)
                     .arg(&x.scales)
                     .arg(&x.scaled_sums)
-                    .arg(&mut out)
+                    .arg(out)
                     .arg(&n_out)
-                    .arg(&blocks);
+                    .arg(&blocks)
+                    .arg(&accumulate_arg);
                 // SAFETY: quants hold n_out · k_in / 2 bytes (and high one u32 per block), x
                 // holds rows · k_in quants.
-                unsafe { launch.launch(config) }.map_err(gpu_error)?;
+                unsafe { gpu.launch(launch, config) }
             }
-            (Weights::Dense(w), _) => {
-                let blas = blas.ok_or_else(|| {
-                    EngineError::Gpu("dense weights need cuBLAS, which was not loaded".into())
-                })?;
+            Weights::Dense(w) => {
+                let blas = blas.ok_or_else(|| missing_blas("dense"))?;
                 // Column-major view: C[n_out, rows] = Wᵀ[n_out, k] · X[k, rows].
                 let gemm = GemmConfig {
                     transa: cublasOperation_t::CUBLAS_OP_T,
@@ -247,24 +338,25 @@ impl DeviceMatrix {
                     alpha: 1.0f32,
                     lda: self.k_in as i32,
                     ldb: self.k_in as i32,
-                    beta: 0.0f32,
+                    beta: if accumulate { 1.0 } else { 0.0 },
                     ldc: self.n_out as i32,
                 };
+                gpu.count_launches(1);
                 // SAFETY: the shapes above match the buffers' lengths.
-                unsafe { blas.gemm(gemm, w, x, &mut out) }.map_err(gpu_error)?;
+                unsafe { blas.gemm(gemm, w, x, out) }.map_err(gpu_error)
             }
-            (Weights::Bf16(w), _) => {
-                let blas = blas.ok_or_else(|| {
-                    EngineError::Gpu("bf16 weights need cuBLAS, which was not loaded".into())
-                })?;
-                let x16 = gpu.to_bf16(x)?;
-                let (alpha, beta) = (1.0f32, 0.0f32);
+            Weights::Bf16(w) => {
+                let blas = blas.ok_or_else(|| missing_blas("bf16"))?;
+                let x16 = scratch.bf16.as_ref().ok_or_else(missing_scratch)?;
+                let alpha = 1.0f32;
+                let beta = if accumulate { 1.0f32 } else { 0.0 };
                 let (w_ptr, _w_record) = w.device_ptr(&gpu.stream);
                 let (x_ptr, _x_record) = x16.device_ptr(&gpu.stream);
                 let (out_ptr, _out_record) = out.device_ptr_mut(&gpu.stream);
+                gpu.count_launches(1);
                 // The column-major view of the f32 path; bf16 inputs, f32 output and sums.
-                // SAFETY: w holds n_out · k_in and x16 rows · k_in bf16 values, out rows · n_out
-                // floats; alpha and beta outlive the call, which only enqueues work.
+                // SAFETY: w holds n_out · k_in and x16 at least rows · k_in bf16 values, out
+                // rows · n_out floats; alpha and beta outlive the call, which only enqueues work.
                 unsafe {
                     cudarc::cublas::result::gemm_ex(
                         *blas.handle(),
@@ -288,21 +380,31 @@ impl DeviceMatrix {
                         cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                     )
                 }
-                .map_err(gpu_error)?;
+                .map_err(gpu_error)
             }
-            (_, None) => unreachable!("quantized weights always get quantized activations"),
         }
-        Ok(out)
     }
 }
 
+fn missing_blas(format: &str) -> EngineError {
+    EngineError::Gpu(format!(
+        "{format} weights need cuBLAS, which was not loaded"
+    ))
+}
+
+fn missing_scratch() -> EngineError {
+    EngineError::Gpu("the step's activation scratch lacks this matrix's input format".into())
+}
+
+/// Quantizes `x [rows, k_in]` in `format` into `scratch`'s buffers of that format.
 fn quantize(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
     rows: usize,
     k_in: usize,
     format: ActivationFormat,
-) -> EngineResult<QuantizedActivations> {
+    scratch: &mut ActivationScratch,
+) -> EngineResult<()> {
     let blocks = rows * k_in / BLOCK;
     // The kernel's numbering (`kernels/quant.cu`) and its unit: a block, or a superblock.
     let (format_arg, units) = match format {
@@ -310,11 +412,12 @@ fn quantize(
         ActivationFormat::Q8_1 => (1, blocks),
         ActivationFormat::Q8K => (2, blocks / 8),
     };
-    let mut out = QuantizedActivations {
-        quants: gpu.zeros::<i8>(rows * k_in)?,
-        scales: gpu.zeros::<f32>(blocks)?,
-        scaled_sums: gpu.zeros::<f32>(blocks)?,
-    };
+    let out = scratch
+        .quantized
+        .iter_mut()
+        .find(|(f, _)| *f == format)
+        .map(|(_, q)| q)
+        .ok_or_else(missing_scratch)?;
     let units_arg = units as i32;
     let mut launch = gpu.stream.launch_builder(&gpu.kernels.quantize_q8);
     launch
@@ -324,7 +427,7 @@ fn quantize(
         .arg(&mut out.scaled_sums)
         .arg(&units_arg)
         .arg(&format_arg);
-    // SAFETY: x holds `blocks` whole blocks of 32 (K-quant rows are whole superblocks).
-    unsafe { launch.launch(Gpu::warps(units, 1)) }.map_err(gpu_error)?;
-    Ok(out)
+    // SAFETY: x holds `blocks` whole blocks of 32 (K-quant rows are whole superblocks), the
+    // scratch at least as many.
+    unsafe { gpu.launch(launch, Gpu::warps(units, 1)) }
 }

@@ -4,22 +4,27 @@
 //! run time, so the crate builds without a CUDA toolkit; `load` probes for each and fails
 //! with an error naming what is missing, never a panic.
 
+mod buffers;
+mod graphs;
 pub mod kernels;
 mod launch;
 mod matrix;
 mod paged_kv;
 
 use super::kv::{BlockCopy, KvStore, SeqId};
-use super::llama::{embed_tokens, embedding_row, inverse_frequencies, plan_step, Segment};
+use super::llama::{embedding_row, embedding_scale, inverse_frequencies, plan_step, Segment};
 use super::sampling::{self, LogitStats};
+use super::step_inputs::{SequenceRows, StepInputs};
 use super::weights::{self, Hyperparams, LayerWeights, ModelWeights};
 use super::{SeqWork, StepExecutor, StepOutput};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, EngineResult};
+use buffers::{DeviceInputs, HeadBuffers, StepBuffers};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice};
-use launch::{AttentionRows, Gpu};
-use matrix::DeviceMatrix;
+use graphs::DecodeGraphs;
+use launch::Gpu;
+use matrix::{ActivationScratch, DeviceMatrix};
 use paged_kv::PagedKv;
 
 /// Head dimensions the attention kernel holds per warp (8 per lane).
@@ -62,8 +67,10 @@ struct DeviceLayer {
 /// The decoder's weights on one GPU, and the handles its step launches with.
 struct DeviceModel {
     hp: Hyperparams,
-    /// Host copy `[vocab, hidden]`: rows are gathered on the host and uploaded per step.
-    embedding: Vec<f32>,
+    /// `[vocab, hidden]`: the step's first kernel gathers its rows.
+    embedding: CudaSlice<f32>,
+    /// The same table on the host, for the candidates' embeddings policies ask for.
+    host_embedding: Vec<f32>,
     layers: Vec<DeviceLayer>,
     final_norm: CudaSlice<f32>,
     lm_head: DeviceMatrix,
@@ -75,34 +82,14 @@ struct DeviceModel {
     blas: Option<CudaBlas>,
 }
 
-/// One step's row layout on the device.
-struct StepLayout {
-    rows: usize,
-    positions: CudaSlice<i32>,
-    /// Per row: the cache slot its key and value go to.
-    slots: CudaSlice<i32>,
-    /// Per row: where its sequence's blocks start in `block_table`.
-    row_tables: CudaSlice<i32>,
-    /// The block tables of the step's sequences, one after another.
-    block_table: CudaSlice<i32>,
-}
-
-impl StepLayout {
-    fn attention(&self) -> AttentionRows<'_> {
-        AttentionRows {
-            positions: &self.positions,
-            row_tables: &self.row_tables,
-            block_table: &self.block_table,
-        }
-    }
-}
-
 pub struct CudaExecutor {
     name: String,
     model: DeviceModel,
     /// Budget and lengths (the same bookkeeping as every backend; no host KV data).
     kv: KvStore,
     paged: PagedKv,
+    graphs: DecodeGraphs,
+    kernels_last_step: usize,
 }
 
 impl CudaExecutor {
@@ -129,15 +116,27 @@ impl CudaExecutor {
         // SAFETY: everything this executor allocates is used and freed on this one stream,
         // so no cross-stream events are needed.
         unsafe { context.disable_event_tracking() };
-        let gpu = Gpu {
-            kernels: kernels::Kernels::load(&context)?,
-            stream: context.new_stream().map_err(gpu_error)?,
-        };
+        let gpu = Gpu::new(
+            context.new_stream().map_err(gpu_error)?,
+            kernels::Kernels::load(&context)?,
+        );
         let weights = weights::load_weights(config)?;
-        Self::new(&config.name, weights, gpu, config.kv_tokens)
+        Self::new(
+            &config.name,
+            weights,
+            gpu,
+            config.kv_tokens,
+            config.cuda_graphs,
+        )
     }
 
-    fn new(name: &str, weights: ModelWeights, gpu: Gpu, kv_tokens: usize) -> EngineResult<Self> {
+    fn new(
+        name: &str,
+        weights: ModelWeights,
+        gpu: Gpu,
+        kv_tokens: usize,
+        cuda_graphs: bool,
+    ) -> EngineResult<Self> {
         let hp = weights.hp.clone();
         if hp.head_dim > MAX_HEAD_DIM
             || !hp.head_dim.is_multiple_of(2)
@@ -176,11 +175,13 @@ impl CudaExecutor {
             .gemma
             .map(|g| gpu.upload(&inverse_frequencies(&weights, g.local_rope_theta)))
             .transpose()?;
+        let graphs = DecodeGraphs::new(cuda_graphs, &hp, &kv);
         let model = DeviceModel {
             inv_freq: gpu.upload(&inverse_frequencies(&weights, hp.rope_theta))?,
             local_inv_freq,
             final_norm: gpu.upload(&weights.final_norm)?,
-            embedding: weights.embedding,
+            embedding: gpu.upload(&weights.embedding)?,
+            host_embedding: weights.embedding,
             hp,
             layers,
             lm_head,
@@ -192,31 +193,17 @@ impl CudaExecutor {
             kv,
             paged,
             model,
+            graphs,
+            kernels_last_step: 0,
         })
     }
+}
 
-    /// Uploads the step's positions, cache slots and block tables.
-    fn layout(&self, batch: &[(SeqId, &[u32])], segments: &[Segment]) -> EngineResult<StepLayout> {
-        let (mut positions, mut slots, mut row_tables, mut block_table) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (&(seq, _), s) in batch.iter().zip(segments) {
-            let table_start = block_table.len() as i32;
-            let table = self.kv.table(seq);
-            block_table.extend(table.iter().map(|&b| b as i32));
-            for position in s.first_position..s.first_position + s.rows {
-                positions.push(position as i32);
-                slots.push(PagedKv::slot(table, position));
-                row_tables.push(table_start);
-            }
-        }
-        let gpu = &self.model.gpu;
-        Ok(StepLayout {
-            rows: positions.len(),
-            positions: gpu.upload(&positions)?,
-            slots: gpu.upload(&slots)?,
-            row_tables: gpu.upload(&row_tables)?,
-            block_table: gpu.upload(&block_table)?,
-        })
+impl CudaExecutor {
+    /// The decode buckets whose graphs this executor has captured (none with graphs off or
+    /// after a failed capture).
+    pub fn captured_graph_buckets(&self) -> Vec<usize> {
+        self.graphs.captured()
     }
 }
 
@@ -274,126 +261,209 @@ struct LastPositions {
 }
 
 impl DeviceModel {
-    fn forward(
+    /// Every matrix, for sizing a step's activation scratch.
+    fn matrices(&self) -> impl Iterator<Item = &DeviceMatrix> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain([&self.lm_head])
+    }
+
+    /// The decoder stack over a step's rows, from the embedding lookup to the last layer's
+    /// residual stream in `buf.x`. Launches kernels only (no allocation, copy or sync), so a
+    /// stream capture of it replays.
+    fn body(
         &self,
         paged: &mut PagedKv,
-        tokens: &[u32],
-        segments: &[Segment],
-        layout: &StepLayout,
+        inputs: &DeviceInputs,
+        buf: &mut StepBuffers,
+    ) -> EngineResult<()> {
+        let scale = embedding_scale(&self.hp);
+        self.gpu
+            .embed_rows(&self.embedding, &inputs.tokens(), scale, &mut buf.x)?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            self.layer(index, layer, inputs, paged, buf)?;
+        }
+        Ok(())
+    }
+
+    /// The output head over `last [seqs, hidden]`: the final norm, the logits and their
+    /// statistics, into `head`. Kernels only, as `body`.
+    fn head(
+        &self,
+        last: &CudaSlice<f32>,
+        seqs: usize,
+        scratch: &mut ActivationScratch,
+        head: &mut HeadBuffers,
+    ) -> EngineResult<()> {
+        let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
+        gpu.rms_norm(last, &self.final_norm, hp.rms_eps, &mut head.normed)?;
+        self.lm_head
+            .matmul(gpu, blas, &head.normed, seqs, scratch, &mut head.logits)?;
+        gpu.logit_stats(&head.logits, seqs, &mut head.stats, &mut head.argmax)
+    }
+
+    /// Brings the first `seqs` sequences' head results to the host, with each one's `top_k`
+    /// largest logits.
+    fn read_head(
+        &self,
+        head: &HeadBuffers,
+        seqs: usize,
         top_k: usize,
     ) -> EngineResult<LastPositions> {
-        let hp = &self.hp;
+        let (gpu, vocab, hidden) = (&self.gpu, self.hp.vocab, self.hp.hidden);
+        let top = match top_k {
+            0 => vec![Vec::new(); seqs],
+            k => gpu.top_k(&head.logits, seqs, vocab, k)?,
+        };
+        Ok(LastPositions {
+            logits: gpu.download(&head.logits.slice(..seqs * vocab))?,
+            hidden: gpu.download(&head.normed.slice(..seqs * hidden))?,
+            sums: gpu.download(&head.stats.slice(..seqs * 3))?,
+            argmax: gpu.download(&head.argmax.slice(..seqs))?,
+            top,
+        })
+    }
+
+    /// A step run as it comes: its own buffers, every row through the stack, the
+    /// sequences' last rows through the head.
+    fn forward_eager(
+        &self,
+        paged: &mut PagedKv,
+        inputs: &StepInputs,
+        segments: &[Segment],
+        top_k: usize,
+    ) -> EngineResult<LastPositions> {
         let gpu = &self.gpu;
-        let mut x = gpu.upload(&embed_tokens(&self.embedding, hp, tokens))?;
-        for (index, layer) in self.layers.iter().enumerate() {
-            self.layer(index, layer, &mut x, layout, paged)?;
-        }
+        let inputs = DeviceInputs::upload(gpu, inputs)?;
+        let mut buf = StepBuffers::new(self, inputs.rows())?;
+        self.body(paged, &inputs, &mut buf)?;
         let last_rows: Vec<i32> = segments
             .iter()
             .map(|s| (s.first_row + s.rows - 1) as i32)
             .collect();
-        let last = gpu.gather_rows(&x, &last_rows, hp.hidden)?;
-        let normed = gpu.rms_norm(&last, &self.final_norm, hp.rms_eps)?;
-        let logits = self
-            .lm_head
-            .matmul(gpu, self.blas.as_ref(), &normed, segments.len())?;
-        let (sums, argmax) = gpu.logit_stats(&logits, segments.len())?;
-        let top = match top_k {
-            0 => vec![Vec::new(); segments.len()],
-            k => gpu.top_k(&logits, segments.len(), k)?,
-        };
-        Ok(LastPositions {
-            logits: gpu.download(&logits)?,
-            hidden: gpu.download(&normed)?,
-            sums,
-            argmax,
-            top,
-        })
+        let mut last = gpu.zeros::<f32>(segments.len() * self.hp.hidden)?;
+        gpu.gather_rows(&buf.x, &gpu.upload(&last_rows)?, &mut last)?;
+        let mut head = HeadBuffers::new(self, segments.len())?;
+        self.head(&last, segments.len(), &mut buf.scratch, &mut head)?;
+        self.read_head(&head, segments.len(), top_k)
     }
 
     fn layer(
         &self,
         index: usize,
         w: &DeviceLayer,
-        x: &mut CudaSlice<f32>,
-        layout: &StepLayout,
+        inputs: &DeviceInputs,
         paged: &mut PagedKv,
+        buf: &mut StepBuffers,
     ) -> EngineResult<()> {
         let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
-        let rows = layout.rows;
-        let h = gpu.rms_norm(x, &w.attn_norm, hp.rms_eps)?;
-        let [mut q, mut k, mut v] =
-            DeviceMatrix::matmul_each(gpu, blas, [&w.wq, &w.wk, &w.wv], &h, rows)?;
-        for (t, bias) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
+        let rows = buf.rows;
+        gpu.rms_norm(&buf.x, &w.attn_norm, hp.rms_eps, &mut buf.h)?;
+        DeviceMatrix::matmul_each(
+            gpu,
+            blas,
+            [
+                (&w.wq, &mut buf.q),
+                (&w.wk, &mut buf.k),
+                (&w.wv, &mut buf.v),
+            ],
+            &buf.h,
+            rows,
+            &mut buf.scratch,
+        )?;
+        for (t, bias) in [
+            (&mut buf.q, &w.bq),
+            (&mut buf.k, &w.bk),
+            (&mut buf.v, &w.bv),
+        ] {
             if let Some(bias) = bias {
                 gpu.add_bias_rows(t, bias)?;
             }
         }
         if let Some(norm) = &w.q_norm {
-            q = gpu.rms_norm(&q, norm, hp.rms_eps)?;
+            gpu.rms_norm_in_place(&mut buf.q, norm, hp.rms_eps)?;
         }
         if let Some(norm) = &w.k_norm {
-            k = gpu.rms_norm(&k, norm, hp.rms_eps)?;
+            gpu.rms_norm_in_place(&mut buf.k, norm, hp.rms_eps)?;
         }
         let interleaved = hp.rope_interleaved;
         let inv_freq = match (w.window, &self.local_inv_freq) {
             (Some(_), Some(local)) => local,
             _ => &self.inv_freq,
         };
-        gpu.rope(&mut q, &layout.positions, inv_freq, hp.heads, interleaved)?;
-        gpu.rope(
-            &mut k,
-            &layout.positions,
-            inv_freq,
-            hp.kv_heads,
-            interleaved,
-        )?;
+        let positions = inputs.positions();
+        gpu.rope(&mut buf.q, &positions, inv_freq, hp.heads, interleaved)?;
+        gpu.rope(&mut buf.k, &positions, inv_freq, hp.kv_heads, interleaved)?;
 
         let kv_dim = hp.kv_heads * hp.head_dim;
         let offset = index * paged.layer_stride();
         gpu.kv_append(
-            &k,
-            &v,
-            &layout.slots,
+            &buf.k,
+            &buf.v,
+            &inputs.slots(),
             &mut paged.keys,
             &mut paged.values,
             offset,
             kv_dim,
         )?;
-        let attn = gpu.paged_attention(
-            &q,
+        gpu.paged_attention(
+            &buf.q,
             &paged.keys,
             &paged.values,
-            &layout.attention(),
+            &inputs.attention(),
             offset,
             hp.heads,
             hp.kv_heads,
             hp.head_dim,
             w.window,
+            &mut buf.attn,
         )?;
-        let attn = w.wo.matmul(gpu, blas, &attn, rows)?;
-        gpu.add_in_place(x, &post_norm(gpu, attn, &w.post_attn_norm, hp.rms_eps)?)?;
+        self.residual(&w.wo, &w.post_attn_norm, Sublayer::Attention, buf)?;
 
-        let h = gpu.rms_norm(x, &w.ffn_norm, hp.rms_eps)?;
-        let [mut gate, up] = DeviceMatrix::matmul_each(gpu, blas, [&w.w_gate, &w.w_up], &h, rows)?;
-        gpu.gated(&mut gate, &up, hp.gemma.is_some())?;
-        let down = w.w_down.matmul(gpu, blas, &gate, rows)?;
-        gpu.add_in_place(x, &post_norm(gpu, down, &w.post_ffn_norm, hp.rms_eps)?)
+        gpu.rms_norm(&buf.x, &w.ffn_norm, hp.rms_eps, &mut buf.h)?;
+        DeviceMatrix::matmul_each(
+            gpu,
+            blas,
+            [(&w.w_gate, &mut buf.gate), (&w.w_up, &mut buf.up)],
+            &buf.h,
+            rows,
+            &mut buf.scratch,
+        )?;
+        gpu.gated(&mut buf.gate, &buf.up, hp.gemma.is_some())?;
+        self.residual(&w.w_down, &w.post_ffn_norm, Sublayer::Mlp, buf)
+    }
+
+    /// `x += out · W` for a sublayer's output projection: added by the product itself, or,
+    /// where the model norms the sublayer's output first (Gemma 3), normed and then added.
+    fn residual(
+        &self,
+        w: &DeviceMatrix,
+        post_norm: &Option<CudaSlice<f32>>,
+        sublayer: Sublayer,
+        buf: &mut StepBuffers,
+    ) -> EngineResult<()> {
+        let (gpu, blas, rows) = (&self.gpu, self.blas.as_ref(), buf.rows);
+        let input = match sublayer {
+            Sublayer::Attention => &buf.attn,
+            Sublayer::Mlp => &buf.gate,
+        };
+        match post_norm {
+            None => w.matmul_add(gpu, blas, input, rows, &mut buf.scratch, &mut buf.x),
+            Some(norm) => {
+                w.matmul(gpu, blas, input, rows, &mut buf.scratch, &mut buf.proj)?;
+                gpu.rms_norm(&buf.proj, norm, self.hp.rms_eps, &mut buf.h)?;
+                gpu.add_in_place(&mut buf.x, &buf.h)
+            }
+        }
     }
 }
 
-/// A sublayer's output normed before its residual add where the model has such a norm
-/// (Gemma 3), as it is otherwise.
-fn post_norm(
-    gpu: &Gpu,
-    out: CudaSlice<f32>,
-    norm: &Option<CudaSlice<f32>>,
-    eps: f32,
-) -> EngineResult<CudaSlice<f32>> {
-    match norm {
-        Some(norm) => gpu.rms_norm(&out, norm, eps),
-        None => Ok(out),
-    }
+/// Which sublayer's output a projection reads.
+#[derive(Clone, Copy)]
+enum Sublayer {
+    Attention,
+    Mlp,
 }
 
 impl StepExecutor for CudaExecutor {
@@ -422,14 +492,27 @@ impl StepExecutor for CudaExecutor {
         let segments = plan_step(&self.model.hp, &self.kv, &batch)?;
         let reservations: Vec<(SeqId, usize)> = batch.iter().map(|&(s, t)| (s, t.len())).collect();
         self.kv.reserve(&reservations)?;
-        let layout = self.layout(&batch, &segments)?;
-        let tokens: Vec<u32> = batch.iter().flat_map(|&(_, t)| t.iter().copied()).collect();
+        let sequences: Vec<SequenceRows> = batch
+            .iter()
+            .zip(&segments)
+            .map(|(&(seq, tokens), s)| SequenceRows {
+                tokens,
+                first_position: s.first_position,
+                table: self.kv.table(seq),
+            })
+            .collect();
         let top_k = work.iter().map(|w| w.needs.top_k).max().unwrap_or(0);
+        let (model, paged, graphs) = (&self.model, &mut self.paged, &mut self.graphs);
+        // A decode step replays its bucket's graph (captured on first use); any other step,
+        // or every step once a capture has failed, runs eagerly.
+        let graph = graphs.for_step(model, paged, &sequences);
+        let before = model.gpu.launches();
         // The host computes constrained rows' masks while the device runs the forward pass.
-        let (model, paged) = (&self.model, &mut self.paged);
-        let (last, masks) = sampling::with_masks(work, || {
-            model.forward(paged, &tokens, &segments, &layout, top_k)
+        let (last, masks) = sampling::with_masks(work, || match graph {
+            Some((bucket, inputs)) => graphs.replay(model, bucket, &inputs, segments.len(), top_k),
+            None => model.forward_eager(paged, &StepInputs::eager(&sequences), &segments, top_k),
         });
+        self.kernels_last_step = model.gpu.launches() - before;
         let mut last = last?;
         for &(seq, t) in &batch {
             self.kv.advance(seq, t);
@@ -467,10 +550,9 @@ impl StepExecutor for CudaExecutor {
                     seq: w.seq,
                     position,
                     candidate,
-                    candidate_embedding: w
-                        .needs
-                        .embedding
-                        .then(|| embedding_row(&self.model.embedding, hidden, candidate).to_vec()),
+                    candidate_embedding: w.needs.embedding.then(|| {
+                        embedding_row(&self.model.host_embedding, hidden, candidate).to_vec()
+                    }),
                     stats,
                     hidden: w
                         .needs
@@ -480,6 +562,10 @@ impl StepExecutor for CudaExecutor {
                 }
             })
             .collect())
+    }
+
+    fn kernels_last_step(&self) -> Option<usize> {
+        Some(self.kernels_last_step)
     }
 
     fn kv(&self) -> &KvStore {

@@ -4,7 +4,7 @@
 //! file only maps positions to device slots and carries out the block copies it asks for.
 
 use super::launch::Gpu;
-use crate::engine::kv::{BlockCopy, BlockId, BLOCK_TOKENS};
+use crate::engine::kv::{BlockCopy, BLOCK_TOKENS};
 use crate::error::EngineResult;
 use cudarc::driver::CudaSlice;
 
@@ -34,12 +34,6 @@ impl PagedKv {
     /// Floats between one layer's cache and the next.
     pub fn layer_stride(&self) -> usize {
         self.blocks * BLOCK_TOKENS * self.kv_dim
-    }
-
-    /// The device slot (row of a layer's cache) of position `position` of a sequence whose
-    /// blocks are `table`.
-    pub fn slot(table: &[BlockId], position: usize) -> i32 {
-        (table[position / BLOCK_TOKENS] as usize * BLOCK_TOKENS + position % BLOCK_TOKENS) as i32
     }
 
     /// Copies a whole block (the positions past `copy.positions` are never read: the
