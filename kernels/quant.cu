@@ -16,15 +16,14 @@ __device__ __forceinline__ float round_to_f16(float v) { return from_kv(to_kv(v)
 #define ACTIVATIONS_Q8_1 1
 #define ACTIVATIONS_Q8_K 2
 
-// Q8_0 and Q8_1: one warp per activation block of 32.
-__device__ void quantize_block32(const float* x, signed char* quants, float* scales,
-                                 float* scaled_sums, int block, int format) {
+// Q8_0 and Q8_1: one warp per activation block of 32, lane l holding element l (`v`).
+__device__ void quantize_block32(float v, signed char* quants, float* scales,
+                                 float* scaled_sums, long long block, int format) {
     const int lane = threadIdx.x % 32;
-    const float v = x[(long long)block * 32 + lane];
     const float d = warp_max(fabsf(v)) / 127.0f;
     const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
     const int q = (int)roundf(v * inverse);
-    quants[(long long)block * 32 + lane] = (signed char)q;
+    quants[block * 32 + lane] = (signed char)q;
     const int sum = warp_sum_int(q);
     if (lane == 0) {
         const float scale = round_to_f16(d);
@@ -35,17 +34,14 @@ __device__ void quantize_block32(const float* x, signed char* quants, float* sca
     }
 }
 
-// Q8_K: one warp per superblock of 256, lane l holding element l of each of its 8 blocks.
-// `max` is the first value of the largest magnitude, as ggml picks it.
-__device__ void quantize_superblock(const float* x, signed char* quants, float* scales,
-                                    float* scaled_sums, int superblock) {
+// Q8_K: one warp per superblock of 256, lane l holding element l of each of its 8 blocks
+// (`v[b]`). `max` is the first value of the largest magnitude, as ggml picks it.
+__device__ void quantize_superblock(const float* v, signed char* quants, float* scales,
+                                    float* scaled_sums, long long superblock) {
     const int lane = threadIdx.x % 32;
-    const long long first = (long long)superblock * 256;
-    float v[8], amax = 0.0f;
-    for (int b = 0; b < 8; b++) {
-        v[b] = x[first + b * 32 + lane];
-        amax = fmaxf(amax, fabsf(v[b]));
-    }
+    const long long first = superblock * 256;
+    float amax = 0.0f;
+    for (int b = 0; b < 8; b++) amax = fmaxf(amax, fabsf(v[b]));
     amax = warp_max(amax);
     int at = 256;
     for (int b = 7; b >= 0; b--)
@@ -66,17 +62,74 @@ __device__ void quantize_superblock(const float* x, signed char* quants, float* 
     }
 }
 
+// How a fused kernel's activations are formed from its inputs before they are quantized.
+#define SOURCE_PLAIN 0   // x
+#define SOURCE_SILU 1    // silu(x) * up (SwiGLU)
+#define SOURCE_GELU 2    // gelu_tanh(x) * up (GeGLU)
+#define SOURCE_NORMED 3  // x * scale * weight (RMSNorm; `scale` the row's)
+
+// Element i of the activations; the expressions of `rms_norm`, `silu_mul` and
+// `gelu_tanh_mul`, so a fused kernel quantizes the very values the unfused steps would.
+__device__ __forceinline__ float source_value(int source, const float* x, const float* other,
+                                              float scale, long long i, int dim) {
+    const float v = x[i];
+    switch (source) {
+    case SOURCE_SILU:
+        return v / (1.0f + expf(-v)) * other[i];
+    case SOURCE_GELU: {
+        const float inner = 0.7978846f * (v + 0.044715f * v * v * v);
+        return 0.5f * v * (1.0f + tanhf(inner)) * other[i];
+    }
+    case SOURCE_NORMED:
+        return v * scale * other[i % dim];
+    default:
+        return v;
+    }
+}
+
+// Quantizes `unit` (a block of 32, or a superblock of 256 for Q8_K) of the activations.
+__device__ void quantize_unit(int source, const float* x, const float* other, float scale,
+                              int dim, signed char* quants, float* scales, float* scaled_sums,
+                              long long unit, int format) {
+    const int lane = threadIdx.x % 32;
+    if (format == ACTIVATIONS_Q8_K) {
+        float v[8];
+        for (int b = 0; b < 8; b++)
+            v[b] = source_value(source, x, other, scale, unit * 256 + b * 32 + lane, dim);
+        quantize_superblock(v, quants, scales, scaled_sums, unit);
+    } else {
+        const float v = source_value(source, x, other, scale, unit * 32 + lane, dim);
+        quantize_block32(v, quants, scales, scaled_sums, unit, format);
+    }
+}
+
 // One warp per unit: a block of 32 (Q8_0, Q8_1) or a superblock of 256 (Q8_K); `units`
-// counts them.
-extern "C" __global__ void quantize_q8(const float* x, signed char* quants, float* scales,
-                                       float* scaled_sums, int units, int format) {
+// counts them. `source` is SOURCE_PLAIN, or a gated MLP's SOURCE_SILU / SOURCE_GELU with
+// `up` (the gating fused with the down projection's quantization).
+extern "C" __global__ void quantize_q8(const float* x, const float* up, signed char* quants,
+                                       float* scales, float* scaled_sums, int units, int format,
+                                       int source) {
     const int unit = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (unit >= units) return;
-    if (format == ACTIVATIONS_Q8_K) {
-        quantize_superblock(x, quants, scales, scaled_sums, unit);
-    } else {
-        quantize_block32(x, quants, scales, scaled_sums, unit, format);
-    }
+    quantize_unit(source, x, up, 1.0f, 0, quants, scales, scaled_sums, unit, format);
+}
+
+// RMSNorm fused with the quantization of its output (the next matmuls' input): one thread
+// block per row of `dim`, its warps over the row's units after the block's sum of squares
+// (the sum `rms_norm` takes, in its order).
+extern "C" __global__ void rms_norm_quantize_q8(const float* x, const float* weight, float eps,
+                                                int dim, signed char* quants, float* scales,
+                                                float* scaled_sums, int format) {
+    const long long row = blockIdx.x;
+    const float* xr = x + row * dim;
+    float squares = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) squares += xr[i] * xr[i];
+    const float scale = 1.0f / sqrtf(block_sum(squares) / dim + eps);
+    const int unit_len = format == ACTIVATIONS_Q8_K ? 256 : 32;
+    const int units = dim / unit_len;
+    for (int u = threadIdx.x / 32; u < units; u += blockDim.x / 32)
+        quantize_unit(SOURCE_NORMED, x, weight, scale, dim, quants, scales, scaled_sums,
+                      row * units + u, format);
 }
 
 // The output element out[row, col] one warp of a qmatmul computes, its lanes taking every 32nd

@@ -13,12 +13,11 @@ use std::sync::Arc;
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
 
 /// Every kernel source by file name.
-pub const SOURCES: [(&str, &str); 6] = [
+pub const SOURCES: [(&str, &str); 5] = [
     (
         "elementwise.cu",
         include_str!("../../../kernels/elementwise.cu"),
     ),
-    ("rope.cu", include_str!("../../../kernels/rope.cu")),
     ("kv.cu", include_str!("../../../kernels/kv.cu")),
     (
         "attention.cu",
@@ -91,11 +90,11 @@ kernels! {
     gelu_tanh_mul in "elementwise.cu",
     gather_rows in "elementwise.cu",
     to_bf16 in "elementwise.cu",
-    rope in "rope.cu",
-    kv_append in "kv.cu",
+    rope_kv_append in "kv.cu",
     kv_copy_blocks in "kv.cu",
     paged_attention in "attention.cu",
     quantize_q8 in "quant.cu",
+    rms_norm_quantize_q8 in "quant.cu",
     qmatmul_q8_0 in "quant.cu",
     qmatmul_q4 in "quant.cu",
     qmatmul_q5 in "quant.cu",

@@ -39,6 +39,26 @@ fn per_row(rows: usize) -> LaunchConfig {
     }
 }
 
+/// A step's new queries, keys and values, and where each row's rotation and KV slot come from.
+pub struct RopeRows<'a> {
+    pub q: &'a mut CudaSlice<f32>,
+    pub k: &'a CudaSlice<f32>,
+    pub v: &'a CudaSlice<f32>,
+    pub positions: CudaView<'a, i32>,
+    pub slots: CudaView<'a, i32>,
+    pub inv_freq: &'a CudaSlice<f32>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub interleaved: bool,
+}
+
+/// One layer's part of the paged KV cache.
+pub struct KvCacheLayer<'a> {
+    pub keys: &'a mut CudaSlice<u16>,
+    pub values: &'a mut CudaSlice<u16>,
+    pub layer_offset: usize,
+}
+
 /// Where each row of a step attends: its position and its sequence's block table.
 pub struct AttentionRows<'a> {
     pub positions: CudaView<'a, i32>,
@@ -211,59 +231,36 @@ impl Gpu {
         unsafe { self.launch(launch, per_row(rows.len())) }
     }
 
-    /// Rotates `x [rows, heads, head_dim]` in place by each row's position.
-    pub fn rope(
-        &self,
-        x: &mut CudaSlice<f32>,
-        positions: &CudaView<i32>,
-        inv_freq: &CudaSlice<f32>,
-        heads: usize,
-        interleaved: bool,
-    ) -> EngineResult<()> {
-        let head_dim = inv_freq.len() * 2;
-        let rows = positions.len();
-        let (rows_arg, heads_arg, dim_arg) = (rows as i32, heads as i32, head_dim as i32);
-        let interleaved = interleaved as i32;
-        let mut launch = self.stream.launch_builder(&self.kernels.rope);
+    /// Rotates `q [rows, heads, head_dim]` in place and `k [rows, kv_heads, head_dim]` by
+    /// each row's position, and writes the rotated keys with the values `v` into the cache
+    /// slots `slots[row]` at `layer_offset` (none for a padding row's negative slot).
+    pub fn rope_kv_append(&self, rows: RopeRows, cache: KvCacheLayer) -> EngineResult<()> {
+        let head_dim = rows.inv_freq.len() * 2;
+        let count = rows.positions.len();
+        let offset = cache.layer_offset as i64;
+        let (rows_arg, heads_arg) = (count as i32, rows.heads as i32);
+        let (kv_heads_arg, dim_arg) = (rows.kv_heads as i32, head_dim as i32);
+        let interleaved = rows.interleaved as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.rope_kv_append);
         launch
-            .arg(x)
-            .arg(positions)
-            .arg(inv_freq)
-            .arg(&rows_arg)
-            .arg(&heads_arg)
-            .arg(&dim_arg)
-            .arg(&interleaved);
-        // SAFETY: x holds rows · heads · head_dim floats.
-        unsafe { self.launch(launch, grid_1d(rows * heads * head_dim / 2)) }
-    }
-
-    /// Writes `k`, `v` `[rows, kv_dim]` into the cache slots `slots[row]` at `layer_offset`
-    /// (none for a padding row's negative slot).
-    #[allow(clippy::too_many_arguments)]
-    pub fn kv_append(
-        &self,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        slots: &CudaView<i32>,
-        k_cache: &mut CudaSlice<u16>,
-        v_cache: &mut CudaSlice<u16>,
-        layer_offset: usize,
-        kv_dim: usize,
-    ) -> EngineResult<()> {
-        let rows = slots.len();
-        let (offset, rows_arg, dim_arg) = (layer_offset as i64, rows as i32, kv_dim as i32);
-        let mut launch = self.stream.launch_builder(&self.kernels.kv_append);
-        launch
-            .arg(k)
-            .arg(v)
-            .arg(slots)
-            .arg(k_cache)
-            .arg(v_cache)
+            .arg(rows.q)
+            .arg(rows.k)
+            .arg(rows.v)
+            .arg(&rows.positions)
+            .arg(&rows.slots)
+            .arg(rows.inv_freq)
+            .arg(cache.keys)
+            .arg(cache.values)
             .arg(&offset)
             .arg(&rows_arg)
-            .arg(&dim_arg);
-        // SAFETY: every slot was allocated to its row's sequence (`PagedKv::ensure`).
-        unsafe { self.launch(launch, grid_1d(rows * kv_dim)) }
+            .arg(&heads_arg)
+            .arg(&kv_heads_arg)
+            .arg(&dim_arg)
+            .arg(&interleaved);
+        let pairs = count * (rows.heads + rows.kv_heads) * head_dim / 2;
+        // SAFETY: q, k and v hold `count` rows of their heads; every non-negative slot was
+        // allocated to its row's sequence (`KvStore::reserve`).
+        unsafe { self.launch(launch, grid_1d(pairs)) }
     }
 
     /// Copies cache blocks `from[i]` → `to[i]` in every layer.

@@ -15,7 +15,7 @@ use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 const BLOCK: usize = 32;
 
@@ -161,55 +161,83 @@ impl DeviceMatrix {
         matches!(self.weights, Weights::Dense(_) | Weights::Bf16(_))
     }
 
-    /// `x [rows, k_in]` × Wᵢᵀ into each `outᵢ [rows, n_outᵢ]`, for matrices sharing one input
-    /// (q/k/v; gate/up): the input is quantized (or rounded to bf16) once per format.
+    /// `input [rows, k_in]` × Wᵢᵀ into each `outᵢ [rows, n_outᵢ]`, for matrices sharing one
+    /// input (q/k/v; gate/up): the input is formed and quantized (or rounded to bf16) once per
+    /// format; where every matrix takes one 8-bit format, by one kernel that forms and
+    /// quantizes it.
     pub fn matmul_each<const N: usize>(
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
         products: [(&Self, &mut CudaSlice<f32>); N],
-        x: &CudaSlice<f32>,
+        input: Activations,
         rows: usize,
         scratch: &mut ActivationScratch,
     ) -> EngineResult<()> {
-        let mut prepared: Vec<InputKind> = Vec::new();
-        for (m, _) in &products {
-            if !prepared.contains(&m.input_kind()) {
-                prepared.push(m.input_kind());
-                m.prepare(gpu, x, rows, scratch)?;
+        let first = products[0].0;
+        let fused = products
+            .iter()
+            .all(|(m, _)| m.input_kind() == (first.activations, false))
+            .then_some(first.activations)
+            .flatten();
+        let x = match fused {
+            Some(format) => {
+                scratch.quantize(gpu, &input, rows, first.k_in, format)?;
+                None
             }
-        }
+            None => {
+                let x = input.materialize(gpu)?;
+                let mut prepared: Vec<InputKind> = Vec::new();
+                for (m, _) in &products {
+                    if !prepared.contains(&m.input_kind()) {
+                        prepared.push(m.input_kind());
+                        m.prepare(gpu, x, rows, scratch)?;
+                    }
+                }
+                Some(x)
+            }
+        };
         for (m, out) in products {
             m.apply(gpu, blas, x, scratch, rows, out, false)?;
         }
         Ok(())
     }
 
-    /// `out += x × Wᵀ`: a projection that ends in the residual stream, the add folded into
-    /// the product.
+    /// `out += input × Wᵀ`: a projection that ends in the residual stream, the add folded
+    /// into the product.
     pub fn matmul_add(
         &self,
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
-        x: &CudaSlice<f32>,
+        input: Activations,
         rows: usize,
         scratch: &mut ActivationScratch,
         out: &mut CudaSlice<f32>,
     ) -> EngineResult<()> {
-        self.prepare(gpu, x, rows, scratch)?;
+        let x = match (self.activations, self.input_kind()) {
+            (Some(format), (_, false)) => {
+                scratch.quantize(gpu, &input, rows, self.k_in, format)?;
+                None
+            }
+            _ => {
+                let x = input.materialize(gpu)?;
+                self.prepare(gpu, x, rows, scratch)?;
+                Some(x)
+            }
+        };
         self.apply(gpu, blas, x, scratch, rows, out, true)
     }
 
-    /// `out = x × Wᵀ`.
+    /// `out = input × Wᵀ`.
     pub fn matmul(
         &self,
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
-        x: &CudaSlice<f32>,
+        input: Activations,
         rows: usize,
         scratch: &mut ActivationScratch,
         out: &mut CudaSlice<f32>,
     ) -> EngineResult<()> {
-        Self::matmul_each(gpu, blas, [(self, out)], x, rows, scratch)
+        Self::matmul_each(gpu, blas, [(self, out)], input, rows, scratch)
     }
 
     /// What this matrix multiplies: activations quantized in a format, or rounded to bf16, or
@@ -218,7 +246,8 @@ impl DeviceMatrix {
         (self.activations, matches!(self.weights, Weights::Bf16(_)))
     }
 
-    /// Quantizes or rounds `x` as this matrix takes it, into `scratch`.
+    /// Rounds `x` to bf16 where this matrix takes bf16 (8-bit formats are quantized by
+    /// `matmul_each` and `matmul_add`), into `scratch`.
     fn prepare(
         &self,
         gpu: &Gpu,
@@ -227,7 +256,7 @@ impl DeviceMatrix {
         scratch: &mut ActivationScratch,
     ) -> EngineResult<()> {
         if let Some(format) = self.activations {
-            quantize(gpu, x, rows, self.k_in, format, scratch)?;
+            scratch.quantize(gpu, &Activations::Plain(x), rows, self.k_in, format)?;
         }
         if matches!(self.weights, Weights::Bf16(_)) {
             let bf16 = scratch.bf16.as_mut().ok_or_else(missing_scratch)?;
@@ -236,13 +265,14 @@ impl DeviceMatrix {
         Ok(())
     }
 
-    /// `out (+)= x × Wᵀ` on inputs `prepare` left in `scratch`.
+    /// `out (+)= x × Wᵀ` on the inputs left in `scratch` (`x`, the f32 input, for dense
+    /// weights).
     #[allow(clippy::too_many_arguments)]
     fn apply(
         &self,
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
-        x: &CudaSlice<f32>,
+        x: Option<&CudaSlice<f32>>,
         scratch: &ActivationScratch,
         rows: usize,
         out: &mut CudaSlice<f32>,
@@ -328,6 +358,7 @@ impl DeviceMatrix {
             }
             Weights::Dense(w) => {
                 let blas = blas.ok_or_else(|| missing_blas("dense"))?;
+                let x = x.ok_or_else(missing_scratch)?;
                 // Column-major view: C[n_out, rows] = Wᵀ[n_out, k] · X[k, rows].
                 let gemm = GemmConfig {
                     transa: cublasOperation_t::CUBLAS_OP_T,
@@ -396,38 +427,111 @@ fn missing_scratch() -> EngineError {
     EngineError::Gpu("the step's activation scratch lacks this matrix's input format".into())
 }
 
-/// Quantizes `x [rows, k_in]` in `format` into `scratch`'s buffers of that format.
-fn quantize(
-    gpu: &Gpu,
-    x: &CudaSlice<f32>,
-    rows: usize,
-    k_in: usize,
-    format: ActivationFormat,
-    scratch: &mut ActivationScratch,
-) -> EngineResult<()> {
-    let blocks = rows * k_in / BLOCK;
-    // The kernel's numbering (`kernels/quant.cu`) and its unit: a block, or a superblock.
-    let (format_arg, units) = match format {
-        ActivationFormat::Q8_0 => (0i32, blocks),
-        ActivationFormat::Q8_1 => (1, blocks),
-        ActivationFormat::Q8K => (2, blocks / 8),
-    };
-    let out = scratch
-        .quantized
-        .iter_mut()
-        .find(|(f, _)| *f == format)
-        .map(|(_, q)| q)
-        .ok_or_else(missing_scratch)?;
-    let units_arg = units as i32;
-    let mut launch = gpu.stream.launch_builder(&gpu.kernels.quantize_q8);
-    launch
-        .arg(x)
-        .arg(&mut out.quants)
-        .arg(&mut out.scales)
-        .arg(&mut out.scaled_sums)
-        .arg(&units_arg)
-        .arg(&format_arg);
-    // SAFETY: x holds `blocks` whole blocks of 32 (K-quant rows are whole superblocks), the
-    // scratch at least as many.
-    unsafe { gpu.launch(launch, Gpu::warps(units, 1)) }
+/// A matrix input as the kernels before the matmul leave it, formed by the kernel that
+/// quantizes it where the matrices take 8-bit activations, else materialized in f32 first.
+pub enum Activations<'a> {
+    Plain(&'a CudaSlice<f32>),
+    /// `x` RMS-normed by `weight` (into `normed` where materialized).
+    Normed {
+        x: &'a CudaSlice<f32>,
+        weight: &'a CudaSlice<f32>,
+        eps: f32,
+        normed: &'a mut CudaSlice<f32>,
+    },
+    /// A gated MLP's `act(gate) · up` (SiLU, or Gemma's GELU; in place in `gate` where
+    /// materialized).
+    Gated {
+        gate: &'a mut CudaSlice<f32>,
+        up: &'a CudaSlice<f32>,
+        gelu: bool,
+    },
+}
+
+impl<'a> Activations<'a> {
+    /// The input in f32, computed by its own kernel where it is not a buffer yet.
+    fn materialize(self, gpu: &Gpu) -> EngineResult<&'a CudaSlice<f32>> {
+        match self {
+            Self::Plain(x) => Ok(x),
+            Self::Normed {
+                x,
+                weight,
+                eps,
+                normed,
+            } => {
+                gpu.rms_norm(x, weight, eps, normed)?;
+                Ok(normed)
+            }
+            Self::Gated { gate, up, gelu } => {
+                gpu.gated(gate, up, gelu)?;
+                Ok(gate)
+            }
+        }
+    }
+}
+
+impl ActivationScratch {
+    /// Forms `input [rows, k_in]` and quantizes it in `format` into this scratch's buffers of
+    /// that format, in one kernel.
+    fn quantize(
+        &mut self,
+        gpu: &Gpu,
+        input: &Activations,
+        rows: usize,
+        k_in: usize,
+        format: ActivationFormat,
+    ) -> EngineResult<()> {
+        let blocks = rows * k_in / BLOCK;
+        // The kernel's numbering (`kernels/quant.cu`) and its unit: a block, or a superblock.
+        let (format_arg, units) = match format {
+            ActivationFormat::Q8_0 => (0i32, blocks),
+            ActivationFormat::Q8_1 => (1, blocks),
+            ActivationFormat::Q8K => (2, blocks / 8),
+        };
+        let out = self
+            .quantized
+            .iter_mut()
+            .find(|(f, _)| *f == format)
+            .map(|(_, q)| q)
+            .ok_or_else(missing_scratch)?;
+        // SOURCE_PLAIN, SOURCE_SILU, SOURCE_GELU in `kernels/quant.cu`.
+        let (x, up, source) = match input {
+            Activations::Normed { x, weight, eps, .. } => {
+                let dim = k_in as i32;
+                let mut launch = gpu.stream.launch_builder(&gpu.kernels.rms_norm_quantize_q8);
+                launch
+                    .arg(*x)
+                    .arg(*weight)
+                    .arg(eps)
+                    .arg(&dim)
+                    .arg(&mut out.quants)
+                    .arg(&mut out.scales)
+                    .arg(&mut out.scaled_sums)
+                    .arg(&format_arg);
+                let config = LaunchConfig {
+                    grid_dim: (rows as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: x holds rows · k_in floats, weight k_in, the scratch at least as
+                // many quants and a scale per block; 256 threads per row, as `rms_norm`'s.
+                return unsafe { gpu.launch(launch, config) };
+            }
+            Activations::Plain(x) => (&**x, &**x, 0i32),
+            Activations::Gated { gate, up, gelu } => (&**gate, &**up, 1 + *gelu as i32),
+        };
+        let units_arg = units as i32;
+        let mut launch = gpu.stream.launch_builder(&gpu.kernels.quantize_q8);
+        launch
+            .arg(x)
+            .arg(up)
+            .arg(&mut out.quants)
+            .arg(&mut out.scales)
+            .arg(&mut out.scaled_sums)
+            .arg(&units_arg)
+            .arg(&format_arg)
+            .arg(&source);
+        // SAFETY: x (and up) hold `blocks` whole blocks of 32 (K-quant rows are whole
+        // superblocks), the scratch at least as many.
+        unsafe { gpu.launch(launch, Gpu::warps(units, 1)) }
+    }
 }

@@ -23,8 +23,8 @@ use buffers::{DeviceInputs, HeadBuffers, StepBuffers};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice};
 use graphs::DecodeGraphs;
-use launch::Gpu;
-use matrix::{ActivationScratch, DeviceMatrix};
+use launch::{Gpu, KvCacheLayer, RopeRows};
+use matrix::{ActivationScratch, Activations, DeviceMatrix};
 use paged_kv::PagedKv;
 
 /// Head dimensions the attention kernel holds per warp (8 per lane).
@@ -297,9 +297,11 @@ impl DeviceModel {
         head: &mut HeadBuffers,
     ) -> EngineResult<()> {
         let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
+        // Normed on its own: the normed rows are an output too (the policies' hidden states).
         gpu.rms_norm(last, &self.final_norm, hp.rms_eps, &mut head.normed)?;
+        let input = Activations::Plain(&head.normed);
         self.lm_head
-            .matmul(gpu, blas, &head.normed, seqs, scratch, &mut head.logits)?;
+            .matmul(gpu, blas, input, seqs, scratch, &mut head.logits)?;
         gpu.logit_stats(&head.logits, seqs, &mut head.stats, &mut head.argmax)
     }
 
@@ -359,7 +361,6 @@ impl DeviceModel {
     ) -> EngineResult<()> {
         let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
         let rows = buf.rows;
-        gpu.rms_norm(&buf.x, &w.attn_norm, hp.rms_eps, &mut buf.h)?;
         DeviceMatrix::matmul_each(
             gpu,
             blas,
@@ -368,7 +369,12 @@ impl DeviceModel {
                 (&w.wk, &mut buf.k),
                 (&w.wv, &mut buf.v),
             ],
-            &buf.h,
+            Activations::Normed {
+                x: &buf.x,
+                weight: &w.attn_norm,
+                eps: hp.rms_eps,
+                normed: &mut buf.h,
+            },
             rows,
             &mut buf.scratch,
         )?;
@@ -387,25 +393,28 @@ impl DeviceModel {
         if let Some(norm) = &w.k_norm {
             gpu.rms_norm_in_place(&mut buf.k, norm, hp.rms_eps)?;
         }
-        let interleaved = hp.rope_interleaved;
         let inv_freq = match (w.window, &self.local_inv_freq) {
             (Some(_), Some(local)) => local,
             _ => &self.inv_freq,
         };
-        let positions = inputs.positions();
-        gpu.rope(&mut buf.q, &positions, inv_freq, hp.heads, interleaved)?;
-        gpu.rope(&mut buf.k, &positions, inv_freq, hp.kv_heads, interleaved)?;
-
-        let kv_dim = hp.kv_heads * hp.head_dim;
         let offset = index * paged.layer_stride();
-        gpu.kv_append(
-            &buf.k,
-            &buf.v,
-            &inputs.slots(),
-            &mut paged.keys,
-            &mut paged.values,
-            offset,
-            kv_dim,
+        gpu.rope_kv_append(
+            RopeRows {
+                q: &mut buf.q,
+                k: &buf.k,
+                v: &buf.v,
+                positions: inputs.positions(),
+                slots: inputs.slots(),
+                inv_freq,
+                heads: hp.heads,
+                kv_heads: hp.kv_heads,
+                interleaved: hp.rope_interleaved,
+            },
+            KvCacheLayer {
+                keys: &mut paged.keys,
+                values: &mut paged.values,
+                layer_offset: offset,
+            },
         )?;
         gpu.paged_attention(
             &buf.q,
@@ -421,21 +430,25 @@ impl DeviceModel {
         )?;
         self.residual(&w.wo, &w.post_attn_norm, Sublayer::Attention, buf)?;
 
-        gpu.rms_norm(&buf.x, &w.ffn_norm, hp.rms_eps, &mut buf.h)?;
         DeviceMatrix::matmul_each(
             gpu,
             blas,
             [(&w.w_gate, &mut buf.gate), (&w.w_up, &mut buf.up)],
-            &buf.h,
+            Activations::Normed {
+                x: &buf.x,
+                weight: &w.ffn_norm,
+                eps: hp.rms_eps,
+                normed: &mut buf.h,
+            },
             rows,
             &mut buf.scratch,
         )?;
-        gpu.gated(&mut buf.gate, &buf.up, hp.gemma.is_some())?;
         self.residual(&w.w_down, &w.post_ffn_norm, Sublayer::Mlp, buf)
     }
 
-    /// `x += out · W` for a sublayer's output projection: added by the product itself, or,
-    /// where the model norms the sublayer's output first (Gemma 3), normed and then added.
+    /// `x += out · W` for a sublayer's output projection (of the attention's output, or of
+    /// the gated MLP's `act(gate) · up`): added by the product itself, or, where the model
+    /// norms the sublayer's output first (Gemma 3), normed and then added.
     fn residual(
         &self,
         w: &DeviceMatrix,
@@ -445,8 +458,12 @@ impl DeviceModel {
     ) -> EngineResult<()> {
         let (gpu, blas, rows) = (&self.gpu, self.blas.as_ref(), buf.rows);
         let input = match sublayer {
-            Sublayer::Attention => &buf.attn,
-            Sublayer::Mlp => &buf.gate,
+            Sublayer::Attention => Activations::Plain(&buf.attn),
+            Sublayer::Mlp => Activations::Gated {
+                gate: &mut buf.gate,
+                up: &buf.up,
+                gelu: self.hp.gemma.is_some(),
+            },
         };
         match post_norm {
             None => w.matmul_add(gpu, blas, input, rows, &mut buf.scratch, &mut buf.x),
