@@ -25,7 +25,7 @@ use tokenrouter::constraint::OutputFormat;
 use tokenrouter::engine::SamplingParams;
 use tokenrouter::runtime::{
     GenerateRequest, ModelSnapshot, Prompt, RequestEvent, RequestHandle, RoutingStats, Runtime,
-    RuntimeError,
+    RuntimeError, StepInterval,
 };
 use tokenrouter::tuning::controller::ArmComparison;
 use tokenrouter::tuning::online::fit_request_latency;
@@ -168,6 +168,12 @@ pub struct ModelCell {
     /// The same steps priced by the step costs of the profile prediction (a + c·rows, and
     /// each further token at the prefill rate): how far the model ran from its profile.
     pub profile_step_ms_mean: Option<f64>,
+    /// The model actor's own time per step (scheduling it, applying its results), mean;
+    /// `None` for a model another process runs.
+    pub host_ms_mean: Option<f64>,
+    /// Median time from one step's end to the next one's start: the host time, the batcher's
+    /// round trip, and any wait for work or for a batch to fill.
+    pub step_gap_ms_median: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -278,12 +284,29 @@ impl Snapshot {
 /// `model`'s logged steps that started at or after `since` (the log keeps the most recent
 /// steps), as (rows, tokens, ms).
 fn cell_steps(model: &ModelSnapshot, since: Instant) -> Vec<(usize, usize, f64)> {
-    model
-        .recent_steps
-        .iter()
-        .filter(|s| s.start >= since)
+    cell_intervals(model, since)
         .map(|s| s.request_sample())
         .collect()
+}
+
+fn cell_intervals(model: &ModelSnapshot, since: Instant) -> impl Iterator<Item = &StepInterval> {
+    model.recent_steps.iter().filter(move |s| s.start >= since)
+}
+
+/// The mean host time per step and the median gap between steps (see `ModelCell`).
+fn host_and_gaps(model: &ModelSnapshot, since: Instant) -> (Option<f64>, Option<f64>) {
+    let intervals: Vec<&StepInterval> = cell_intervals(model, since).collect();
+    let host: Vec<f64> = intervals
+        .iter()
+        .filter_map(|s| s.host)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .collect();
+    let mut gaps: Vec<f64> = intervals
+        .windows(2)
+        .map(|w| w[1].start.saturating_duration_since(w[0].end).as_secs_f64() * 1e3)
+        .collect();
+    let host_mean = (!host.is_empty()).then(|| host.iter().sum::<f64>() / host.len() as f64);
+    (host_mean, (!gaps.is_empty()).then(|| median(&mut gaps)))
 }
 
 /// Per-model batch sizes, admission delays and step times between two snapshots; `costs`
@@ -302,6 +325,7 @@ fn model_cells(
         .enumerate()
         .map(|(i, name)| {
             let steps = after.steps[i] - before.steps[i];
+            let (host_ms_mean, step_gap_ms_median) = host_and_gaps(&snapshot.models[i], before.at);
             let admissions = (after.admissions[i] - before.admissions[i]).max(1);
             let logged = cell_steps(&snapshot.models[i], before.at);
             let mean = |f: &dyn Fn(&(usize, usize, f64)) -> f64| {
@@ -333,6 +357,8 @@ fn model_cells(
                 step_ms_mean,
                 full_batch_step_ms: (!full_batch.is_empty()).then(|| median(&mut full_batch)),
                 profile_step_ms_mean: (steps > 0).then_some(profile_step_ms_mean).flatten(),
+                host_ms_mean,
+                step_gap_ms_median,
             }
         })
         .collect()
@@ -1162,7 +1188,7 @@ fn shares(values: &[(String, f64)]) -> String {
 
 pub fn markdown(rows: &[RoutingBenchRow]) -> String {
     let mut out = String::from(
-        "| policy | workload | mode | N | round | done | failed | tokens/s | all N in flight | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | busy | step ms (profile's) | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap (after it) | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---|---|---:|---|---|---:|---:|\n",
+        "| policy | workload | mode | N | round | done | failed | tokens/s | all N in flight | predicted: cell L / profiles | token share | handoffs/100 tok | mean batch | admission ms | busy | step ms (profile's) | host ms/step (gap p50) | cached positions | agreement | TTFT p50 / p99 ms | ITL p50 / p99 ms | long-prompt gap (after it) | latency ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---|---|---|---:|---|---|---:|---:|\n",
     );
     for r in rows {
         let per_model = |f: fn(&ModelCell) -> f64, digits: usize| {
@@ -1173,7 +1199,7 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
                 .join(" / ")
         };
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} / {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} / {:.1} | {} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} / {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} / {:.1} | {} | {:.0} |\n",
             r.policy,
             serde_json::to_value(r.workload).map_or(String::new(), |v| v.as_str().unwrap_or("").to_string()),
             r.mode,
@@ -1203,6 +1229,15 @@ pub fn markdown(rows: &[RoutingBenchRow]) -> String {
                     (0, _) => "–".to_string(),
                     (_, Some(profile)) => format!("{:.1} ({profile:.1})", m.step_ms_mean),
                     (_, None) => format!("{:.1}", m.step_ms_mean),
+                })
+                .collect::<Vec<_>>()
+                .join(" / "),
+            r.per_model
+                .iter()
+                .map(|m| match (m.host_ms_mean, m.step_gap_ms_median) {
+                    (Some(host), Some(gap)) => format!("{host:.2} ({gap:.2})"),
+                    (Some(host), None) => format!("{host:.2}"),
+                    _ => "–".to_string(),
                 })
                 .collect::<Vec<_>>()
                 .join(" / "),
@@ -1587,5 +1622,33 @@ mod tests {
         together.record(0, at(0), at(400), followed(vec![at(100), at(400)]));
         together.fail(at(0));
         assert_eq!(together.all_in_flight_tokens_per_s(), None);
+    }
+
+    #[test]
+    fn host_time_and_gaps_come_from_the_cells_own_steps() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let interval = |start, end, host_us: Option<u64>| StepInterval {
+            start: at(start),
+            end: at(end),
+            batch: 1,
+            tokens: 1,
+            host: host_us.map(Duration::from_micros),
+        };
+        let model = ModelSnapshot {
+            recent_steps: vec![
+                // Before the cell: neither its host time nor the gap after it counts.
+                interval(0, 10, Some(9_000)),
+                interval(20, 30, Some(1_000)),
+                interval(31, 40, Some(3_000)),
+                interval(45, 50, None),
+            ],
+            ..Default::default()
+        };
+        let (host, gap) = host_and_gaps(&model, at(15));
+        assert_eq!(host, Some(2.0));
+        // Gaps 1 and 5 ms: the median of two is their mean.
+        assert_eq!(gap, Some(3.0));
+        assert_eq!(host_and_gaps(&model, at(60)), (None, None));
     }
 }

@@ -150,6 +150,7 @@ impl ModelActor {
     }
 
     fn step(&mut self, ctx: &mut Context<Self>) {
+        let entered = Instant::now();
         let live = &self.live;
         self.scheduler
             .drop_ended(&mut self.executor, |rid| live.contains(rid));
@@ -202,13 +203,14 @@ impl ModelActor {
                 self.report_idle();
             }
             Ok(Ok(outputs)) => {
+                self.apply(&plan, &outputs);
                 self.recorder.step(StepInterval {
                     start,
                     end,
                     batch: plan.work.len(),
                     tokens,
+                    host: Some((start - entered) + end.elapsed()),
                 });
-                self.apply(&plan, &outputs);
                 self.report_idle();
             }
         }

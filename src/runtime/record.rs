@@ -21,6 +21,9 @@ pub struct StepInterval {
     pub batch: usize,
     /// Tokens the rows appended.
     pub tokens: usize,
+    /// The model actor's own time around the step: scheduling it, then applying its results
+    /// (policies, commits, handoffs); unknown for a step another process ran.
+    pub host: Option<Duration>,
 }
 
 impl StepInterval {
@@ -209,6 +212,7 @@ impl ModelRecorder {
                     end,
                     batch,
                     tokens,
+                    host: None,
                 });
             }
             let f = &mut r.figures;
