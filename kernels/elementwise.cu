@@ -16,10 +16,12 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float* 
     norm_row(x + at, weight, out + at, dim, eps);
 }
 
-// rms_norm in place (the per-head query and key norms).
-extern "C" __global__ void rms_norm_in_place(float* x, const float* weight, int dim, float eps) {
-    float* row = x + (long long)blockIdx.x * dim;
-    norm_row(row, weight, row, dim, eps);
+// rms_norm in place over heads `first_head + blockIdx.x` of each row `blockIdx.y` of `x`,
+// rows `row_stride` apart, heads `dim` apart (QK-norm on the stacked q/k/v projection).
+extern "C" __global__ void rms_norm_heads(float* x, const float* weight, long long row_stride,
+                                          int first_head, int dim, float eps) {
+    float* head = x + blockIdx.y * row_stride + (long long)(first_head + blockIdx.x) * dim;
+    norm_row(head, weight, head, dim, eps);
 }
 
 // out[r] = table[ids[r]] * scale, one thread block per row of `dim` (the embedding lookup;
@@ -43,22 +45,26 @@ extern "C" __global__ void add_bias_rows(float* x, const float* bias, long long 
     if (i < n) x[i] += bias[i % dim];
 }
 
-// SwiGLU: gate <- silu(gate) * up.
-extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
+// The gated MLP's activations from the stacked gate/up projection, whose rows hold a row's
+// gate then its up (`dim` each): out[r, j] = act(gate[r, j]) * up[r, j], `n` = rows * dim.
+// SwiGLU's SiLU here, GeGLU's tanh-approximated GELU in `gelu_tanh_mul` (the CPU's
+// `ops::gelu_tanh_mul_in_place`).
+extern "C" __global__ void silu_mul(const float* gate_up, float* out, long long n, int dim) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        const float g = gate[i];
-        gate[i] = g / (1.0f + expf(-g)) * up[i];
+        const long long at = (i / dim) * 2 * dim + i % dim;
+        const float g = gate_up[at];
+        out[i] = g / (1.0f + expf(-g)) * gate_up[at + dim];
     }
 }
 
-// GeGLU (Gemma): gate <- gelu_tanh(gate) * up, the CPU's `ops::gelu_tanh_mul_in_place`.
-extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, long long n) {
+extern "C" __global__ void gelu_tanh_mul(const float* gate_up, float* out, long long n, int dim) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        const float g = gate[i];
+        const long long at = (i / dim) * 2 * dim + i % dim;
+        const float g = gate_up[at];
         const float inner = 0.7978846f * (g + 0.044715f * g * g * g);
-        gate[i] = 0.5f * g * (1.0f + tanhf(inner)) * up[i];
+        out[i] = 0.5f * g * (1.0f + tanhf(inner)) * gate_up[at + dim];
     }
 }
 

@@ -62,56 +62,50 @@ __device__ void quantize_superblock(const float* v, signed char* quants, float* 
     }
 }
 
-// How a fused kernel's activations are formed from its inputs before they are quantized.
+// How a fused kernel's activations (rows of `dim`) are formed before they are quantized.
 #define SOURCE_PLAIN 0   // x
-#define SOURCE_SILU 1    // silu(x) * up (SwiGLU)
-#define SOURCE_GELU 2    // gelu_tanh(x) * up (GeGLU)
+#define SOURCE_SILU 1    // silu(gate) * up, x the stacked gate/up rows of 2 * dim (SwiGLU)
+#define SOURCE_GELU 2    // gelu_tanh(gate) * up, likewise (GeGLU)
 #define SOURCE_NORMED 3  // x * scale * weight (RMSNorm; `scale` the row's)
 
 // Element i of the activations; the expressions of `rms_norm`, `silu_mul` and
 // `gelu_tanh_mul`, so a fused kernel quantizes the very values the unfused steps would.
-__device__ __forceinline__ float source_value(int source, const float* x, const float* other,
+__device__ __forceinline__ float source_value(int source, const float* x, const float* weight,
                                               float scale, long long i, int dim) {
-    const float v = x[i];
-    switch (source) {
-    case SOURCE_SILU:
-        return v / (1.0f + expf(-v)) * other[i];
-    case SOURCE_GELU: {
-        const float inner = 0.7978846f * (v + 0.044715f * v * v * v);
-        return 0.5f * v * (1.0f + tanhf(inner)) * other[i];
-    }
-    case SOURCE_NORMED:
-        return v * scale * other[i % dim];
-    default:
-        return v;
-    }
+    if (source == SOURCE_PLAIN) return x[i];
+    if (source == SOURCE_NORMED) return x[i] * scale * weight[i % dim];
+    const long long at = (i / dim) * 2 * dim + i % dim;
+    const float g = x[at];
+    if (source == SOURCE_SILU) return g / (1.0f + expf(-g)) * x[at + dim];
+    const float inner = 0.7978846f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.0f + tanhf(inner)) * x[at + dim];
 }
 
 // Quantizes `unit` (a block of 32, or a superblock of 256 for Q8_K) of the activations.
-__device__ void quantize_unit(int source, const float* x, const float* other, float scale,
+__device__ void quantize_unit(int source, const float* x, const float* weight, float scale,
                               int dim, signed char* quants, float* scales, float* scaled_sums,
                               long long unit, int format) {
     const int lane = threadIdx.x % 32;
     if (format == ACTIVATIONS_Q8_K) {
         float v[8];
         for (int b = 0; b < 8; b++)
-            v[b] = source_value(source, x, other, scale, unit * 256 + b * 32 + lane, dim);
+            v[b] = source_value(source, x, weight, scale, unit * 256 + b * 32 + lane, dim);
         quantize_superblock(v, quants, scales, scaled_sums, unit);
     } else {
-        const float v = source_value(source, x, other, scale, unit * 32 + lane, dim);
+        const float v = source_value(source, x, weight, scale, unit * 32 + lane, dim);
         quantize_block32(v, quants, scales, scaled_sums, unit, format);
     }
 }
 
 // One warp per unit: a block of 32 (Q8_0, Q8_1) or a superblock of 256 (Q8_K); `units`
-// counts them. `source` is SOURCE_PLAIN, or a gated MLP's SOURCE_SILU / SOURCE_GELU with
-// `up` (the gating fused with the down projection's quantization).
-extern "C" __global__ void quantize_q8(const float* x, const float* up, signed char* quants,
-                                       float* scales, float* scaled_sums, int units, int format,
-                                       int source) {
+// counts them. `source` is SOURCE_PLAIN, or a gated MLP's SOURCE_SILU / SOURCE_GELU over the
+// stacked gate/up rows (the gating fused with the down projection's quantization).
+extern "C" __global__ void quantize_q8(const float* x, signed char* quants, float* scales,
+                                       float* scaled_sums, int units, int format, int source,
+                                       int dim) {
     const int unit = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (unit >= units) return;
-    quantize_unit(source, x, up, 1.0f, 0, quants, scales, scaled_sums, unit, format);
+    quantize_unit(source, x, x, 1.0f, dim, quants, scales, scaled_sums, unit, format);
 }
 
 // RMSNorm fused with the quantization of its output (the next matmuls' input): one thread
@@ -149,13 +143,14 @@ __device__ __forceinline__ bool output_warp(int n_out, int blocks_per_row, Outpu
     return o->col < n_out;
 }
 
-// Sums the lanes' partial dot products into out[row, col], or adds them to it (`accumulate`:
-// the residual add folded into the projection that feeds it).
+// Sums the lanes' partial dot products into out[row, col] (rows `out_stride` apart: a matrix
+// stacked beside others writes its columns of their shared rows), or adds them to it
+// (`accumulate`: the residual add folded into the projection that feeds it).
 __device__ __forceinline__ void store_output(const OutputWarp& o, float acc, float* out,
-                                             int n_out, int accumulate) {
+                                             int out_stride, int accumulate) {
     acc = warp_sum(acc);
     if (o.lane == 0) {
-        float* dst = out + (long long)o.row * n_out + o.col;
+        float* dst = out + (long long)o.row * out_stride + o.col;
         *dst = accumulate ? *dst + acc : acc;
     }
 }
@@ -163,7 +158,8 @@ __device__ __forceinline__ void store_output(const OutputWarp& o, float acc, flo
 // out[row, col] over Q8_0 weights: one warp per (column, row), lanes over blocks.
 extern "C" __global__ void qmatmul_q8_0(const signed char* w, const float* w_scales,
                                         const signed char* xq, const float* x_scales, float* out,
-                                        int n_out, int blocks_per_row, int accumulate) {
+                                        int n_out, int blocks_per_row, int out_stride,
+                                        int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 32);
@@ -174,7 +170,7 @@ extern "C" __global__ void qmatmul_q8_0(const signed char* w, const float* w_sca
         for (int i = 0; i < 8; i++) dot = __dp4a(w_col[b * 8 + i], x_row[b * 8 + i], dot);
         acc += (float)dot * (w_scales[o.w_block + b] * x_scales[o.x_block + b]);
     }
-    store_output(o, acc, out, n_out, accumulate);
+    store_output(o, acc, out, out_stride, accumulate);
 }
 
 // out[row, col] over Q4_0 / Q4_1 weights (16 bytes per block: element j in the low nibble of
@@ -182,7 +178,8 @@ extern "C" __global__ void qmatmul_q8_0(const signed char* w, const float* w_sca
 extern "C" __global__ void qmatmul_q4(const unsigned char* w, const float* w_scales,
                                       const float* w_offsets, const signed char* xq,
                                       const float* x_scales, const float* x_scaled_sums,
-                                      float* out, int n_out, int blocks_per_row, int accumulate) {
+                                      float* out, int n_out, int blocks_per_row, int out_stride,
+                                        int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 16);
@@ -198,7 +195,7 @@ extern "C" __global__ void qmatmul_q4(const unsigned char* w, const float* w_sca
         const long long wb = o.w_block + b, xb = o.x_block + b;
         acc += (float)dot * (w_scales[wb] * x_scales[xb]) + w_offsets[wb] * x_scaled_sums[xb];
     }
-    store_output(o, acc, out, n_out, accumulate);
+    store_output(o, acc, out, out_stride, accumulate);
 }
 
 // Four fifth bits (bit i for byte i) as a byte's 16 each.
@@ -212,7 +209,8 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
                                       const float* w_scales, const float* w_offsets,
                                       const signed char* xq, const float* x_scales,
                                       const float* x_scaled_sums, float* out, int n_out,
-                                      int blocks_per_row, int accumulate) {
+                                      int blocks_per_row, int out_stride,
+                                        int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 16);
@@ -231,7 +229,7 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
         }
         acc += (float)dot * (w_scales[wb] * x_scales[xb]) + w_offsets[wb] * x_scaled_sums[xb];
     }
-    store_output(o, acc, out, n_out, accumulate);
+    store_output(o, acc, out, out_stride, accumulate);
 }
 
 // out[row, col] over Q6_K weights: signed bytes as Q8_0's (q - 32), a scale per half block of
@@ -239,7 +237,8 @@ extern "C" __global__ void qmatmul_q5(const unsigned char* w, const unsigned int
 extern "C" __global__ void qmatmul_q6_k(const signed char* w, const float* w_first,
                                         const float* w_second, const signed char* xq,
                                         const float* x_scales, float* out, int n_out,
-                                        int blocks_per_row, int accumulate) {
+                                        int blocks_per_row, int out_stride,
+                                        int accumulate) {
     OutputWarp o;
     if (!output_warp(n_out, blocks_per_row, &o)) return;
     const int* w_col = (const int*)(w + o.w_block * 32);
@@ -255,5 +254,5 @@ extern "C" __global__ void qmatmul_q6_k(const signed char* w, const float* w_fir
         const float x_scale = x_scales[o.x_block + b];
         acc += (float)first * (w_first[wb] * x_scale) + (float)second * (w_second[wb] * x_scale);
     }
-    store_output(o, acc, out, n_out, accumulate);
+    store_output(o, acc, out, out_stride, accumulate);
 }

@@ -17,4 +17,4 @@ cargo clippy --all-targets -- -D warnings
 cargo clippy --features cuda --all-targets -- -D warnings
 cargo build --features cuda
 cargo test --all-targets
-LD_LIBRARY_PATH="${NVRTC_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --features cuda --test cuda
+LD_LIBRARY_PATH="${NVRTC_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --features cuda --lib --test cuda

@@ -64,15 +64,19 @@ pub struct StepBuffers {
     pub x: CudaSlice<f32>,
     /// A normed copy of it `[rows, hidden]` (a sublayer's input, or a normed output).
     pub h: CudaSlice<f32>,
+    /// The stacked q/k/v projection's output `[rows, (heads + 2 · kv_heads) · head_dim]`.
+    pub qkv: CudaSlice<f32>,
+    /// The rotated queries `[rows, heads · head_dim]`.
     pub q: CudaSlice<f32>,
-    pub k: CudaSlice<f32>,
-    pub v: CudaSlice<f32>,
     /// The attention's output `[rows, heads · head_dim]`.
     pub attn: CudaSlice<f32>,
     /// An output projection before its post-norm `[rows, hidden]` (Gemma 3).
     pub proj: CudaSlice<f32>,
-    pub gate: CudaSlice<f32>,
-    pub up: CudaSlice<f32>,
+    /// The stacked gate/up projection's output `[rows, 2 · intermediate]`.
+    pub gate_up: CudaSlice<f32>,
+    /// The gated activations `[rows, intermediate]`, where materialized (a dense down
+    /// projection).
+    pub act: CudaSlice<f32>,
     pub scratch: ActivationScratch,
 }
 
@@ -86,13 +90,12 @@ impl StepBuffers {
             rows,
             x: gpu.zeros(rows * hp.hidden)?,
             h: gpu.zeros(rows * hp.hidden)?,
+            qkv: gpu.zeros(rows * (q_dim + 2 * kv_dim))?,
             q: gpu.zeros(rows * q_dim)?,
-            k: gpu.zeros(rows * kv_dim)?,
-            v: gpu.zeros(rows * kv_dim)?,
             attn: gpu.zeros(rows * q_dim)?,
             proj: gpu.zeros(rows * hp.hidden)?,
-            gate: gpu.zeros(rows * hp.intermediate)?,
-            up: gpu.zeros(rows * hp.intermediate)?,
+            gate_up: gpu.zeros(rows * 2 * hp.intermediate)?,
+            act: gpu.zeros(rows * hp.intermediate)?,
             scratch: ActivationScratch::new(gpu, model.matrices(), rows, k_max)?,
         })
     }

@@ -82,7 +82,7 @@ macro_rules! kernels {
 
 kernels! {
     rms_norm in "elementwise.cu",
-    rms_norm_in_place in "elementwise.cu",
+    rms_norm_heads in "elementwise.cu",
     embed_rows in "elementwise.cu",
     add_in_place in "elementwise.cu",
     add_bias_rows in "elementwise.cu",

@@ -39,11 +39,11 @@ fn per_row(rows: usize) -> LaunchConfig {
     }
 }
 
-/// A step's new queries, keys and values, and where each row's rotation and KV slot come from.
+/// A step's new queries, keys and values (the stacked projection's rows), where the rotated
+/// queries go, and where each row's rotation and KV slot come from.
 pub struct RopeRows<'a> {
+    pub qkv: &'a CudaSlice<f32>,
     pub q: &'a mut CudaSlice<f32>,
-    pub k: &'a CudaSlice<f32>,
-    pub v: &'a CudaSlice<f32>,
     pub positions: CudaView<'a, i32>,
     pub slots: CudaView<'a, i32>,
     pub inv_freq: &'a CudaSlice<f32>,
@@ -137,19 +137,33 @@ impl Gpu {
         unsafe { self.launch(launch, per_row(rows)) }
     }
 
-    /// `rms_norm` of every row of `x` in place.
-    pub fn rms_norm_in_place(
+    /// `rms_norm` in place of `heads` heads (of `weight.len()`) from head `first_head` of
+    /// each row of `x` (rows of `row_stride`): QK-norm on the stacked q/k/v projection.
+    pub fn rms_norm_heads(
         &self,
         x: &mut CudaSlice<f32>,
+        row_stride: usize,
+        (first_head, heads): (usize, usize),
         weight: &CudaSlice<f32>,
         eps: f32,
     ) -> EngineResult<()> {
-        let rows = x.len() / weight.len();
-        let dim = weight.len() as i32;
-        let mut launch = self.stream.launch_builder(&self.kernels.rms_norm_in_place);
-        launch.arg(x).arg(weight).arg(&dim).arg(&eps);
-        // SAFETY: x holds `rows · dim` floats; one block per row.
-        unsafe { self.launch(launch, per_row(rows)) }
+        let rows = x.len() / row_stride;
+        let (stride, first, dim) = (row_stride as i64, first_head as i32, weight.len() as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.rms_norm_heads);
+        launch
+            .arg(x)
+            .arg(weight)
+            .arg(&stride)
+            .arg(&first)
+            .arg(&dim)
+            .arg(&eps);
+        let config = LaunchConfig {
+            grid_dim: (heads as u32, rows as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the heads lie within each row of x; 256 threads per head, as `rms_norm`'s.
+        unsafe { self.launch(launch, config) }
     }
 
     /// Rows `ids[r]` of `table [vocab, dim]` times `scale` into `out [ids.len(), dim]`.
@@ -198,22 +212,23 @@ impl Gpu {
         unsafe { self.launch(launch, grid_1d(n as usize)) }
     }
 
-    /// The MLP's gating in place: `gate <- act(gate) * up`, with SiLU (SwiGLU) or, for
-    /// Gemma, tanh-approximated GELU (GeGLU).
+    /// The MLP's gating: `out [rows, dim] = act(gate) * up` from the stacked gate/up rows
+    /// `[rows, 2 · dim]`, with SiLU (SwiGLU) or, for Gemma, tanh-approximated GELU (GeGLU).
     pub fn gated(
         &self,
-        gate: &mut CudaSlice<f32>,
-        up: &CudaSlice<f32>,
+        gate_up: &CudaSlice<f32>,
+        dim: usize,
         gelu: bool,
+        out: &mut CudaSlice<f32>,
     ) -> EngineResult<()> {
-        let n = gate.len() as i64;
+        let (n, dim) = (out.len() as i64, dim as i32);
         let kernel = match gelu {
             true => &self.kernels.gelu_tanh_mul,
             false => &self.kernels.silu_mul,
         };
         let mut launch = self.stream.launch_builder(kernel);
-        launch.arg(gate).arg(up).arg(&n);
-        // SAFETY: both hold n floats.
+        launch.arg(gate_up).arg(out).arg(&n).arg(&dim);
+        // SAFETY: gate_up holds the rows of out twice as wide.
         unsafe { self.launch(launch, grid_1d(n as usize)) }
     }
 
@@ -231,21 +246,22 @@ impl Gpu {
         unsafe { self.launch(launch, per_row(rows.len())) }
     }
 
-    /// Rotates `q [rows, heads, head_dim]` in place and `k [rows, kv_heads, head_dim]` by
-    /// each row's position, and writes the rotated keys with the values `v` into the cache
-    /// slots `slots[row]` at `layer_offset` (none for a padding row's negative slot).
+    /// Rotates the queries and keys of `qkv [rows, (heads + 2 · kv_heads) · head_dim]` by each
+    /// row's position: the queries into `q [rows, heads, head_dim]`, the keys with the values
+    /// into the cache slots `slots[row]` at `layer_offset` (none for a padding row's negative
+    /// slot).
     pub fn rope_kv_append(&self, rows: RopeRows, cache: KvCacheLayer) -> EngineResult<()> {
         let head_dim = rows.inv_freq.len() * 2;
         let count = rows.positions.len();
         let offset = cache.layer_offset as i64;
         let (rows_arg, heads_arg) = (count as i32, rows.heads as i32);
         let (kv_heads_arg, dim_arg) = (rows.kv_heads as i32, head_dim as i32);
+        let row_stride = ((rows.heads + 2 * rows.kv_heads) * head_dim) as i32;
         let interleaved = rows.interleaved as i32;
         let mut launch = self.stream.launch_builder(&self.kernels.rope_kv_append);
         launch
+            .arg(rows.qkv)
             .arg(rows.q)
-            .arg(rows.k)
-            .arg(rows.v)
             .arg(&rows.positions)
             .arg(&rows.slots)
             .arg(rows.inv_freq)
@@ -253,12 +269,13 @@ impl Gpu {
             .arg(cache.values)
             .arg(&offset)
             .arg(&rows_arg)
+            .arg(&row_stride)
             .arg(&heads_arg)
             .arg(&kv_heads_arg)
             .arg(&dim_arg)
             .arg(&interleaved);
         let pairs = count * (rows.heads + rows.kv_heads) * head_dim / 2;
-        // SAFETY: q, k and v hold `count` rows of their heads; every non-negative slot was
+        // SAFETY: qkv and q hold `count` rows of their heads; every non-negative slot was
         // allocated to its row's sequence (`KvStore::reserve`).
         unsafe { self.launch(launch, grid_1d(pairs)) }
     }

@@ -6,6 +6,8 @@
 //! for each format (`ActivationFormat`); bf16 matrices
 //! stay bf16 and run cuBLAS's tensor-core GEMM on activations rounded to bf16 (f32 sums and
 //! output); every other format is dequantized to f32 at load and multiplied by cuBLAS sgemm.
+//! Matrices that share an input (q/k/v, gate/up) form one `Projection`: stacked into one
+//! matrix where they are stored alike, their outputs side by side in each row.
 
 use super::gpu_error;
 use super::launch::Gpu;
@@ -15,7 +17,9 @@ use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 const BLOCK: usize = 32;
 
@@ -108,126 +112,226 @@ impl ActivationScratch {
     }
 }
 
-impl DeviceMatrix {
-    pub fn upload(gpu: &Gpu, weight: &QWeight) -> EngineResult<Self> {
-        let integer = weight.packed_int8();
-        let activations = integer.map(|p| p.format().activation_format());
-        let weights = match integer {
-            Some(packed) => {
-                let signed =
-                    || -> Vec<i8> { packed.block_quants().iter().map(|&b| b as i8).collect() };
-                match packed.format() {
-                    Int8Format::Q6K => {
-                        let [first, second] = packed.half_block_scales();
-                        Weights::Q6K {
-                            quants: gpu.upload(&signed())?,
-                            first: gpu.upload(&first)?,
-                            second: gpu.upload(&second)?,
-                        }
-                    }
-                    Int8Format::Q8_0 => Weights::Q8_0 {
-                        quants: gpu.upload(&signed())?,
-                        scales: gpu.upload(&packed.scales_and_offsets().0)?,
-                    },
-                    format => {
-                        let (scales, offsets) = packed.scales_and_offsets();
-                        Weights::Q4 {
-                            quants: gpu.upload(&packed.block_quants())?,
-                            high: match format.has_high_bits() {
-                                true => Some(gpu.upload(&packed.block_high_bits())?),
-                                false => None,
-                            },
-                            scales: gpu.upload(&scales)?,
-                            offsets: gpu.upload(&offsets)?,
-                        }
-                    }
+/// A weight matrix's arrays on the host, as its kernel reads them: stacking matrices stored
+/// alike appends each array (each output column's data is contiguous in every one).
+#[derive(Debug, PartialEq)]
+enum HostWeights {
+    Q8_0 {
+        quants: Vec<i8>,
+        scales: Vec<f32>,
+    },
+    Q6K {
+        quants: Vec<i8>,
+        first: Vec<f32>,
+        second: Vec<f32>,
+    },
+    Q4 {
+        quants: Vec<u8>,
+        high: Option<Vec<u32>>,
+        scales: Vec<f32>,
+        offsets: Vec<f32>,
+    },
+    Dense(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+/// How a matrix is stored on the device: matrices stored alike stack into one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Storage {
+    Int8(Int8Format),
+    Bf16,
+    Dense,
+}
+
+fn storage(weight: &QWeight) -> Storage {
+    match (weight.packed_int8(), weight.is_bf16()) {
+        (Some(packed), _) => Storage::Int8(packed.format()),
+        (None, true) => Storage::Bf16,
+        (None, false) => Storage::Dense,
+    }
+}
+
+impl HostWeights {
+    fn of(weight: &QWeight) -> Self {
+        let Some(packed) = weight.packed_int8() else {
+            return match weight.bf16_bits() {
+                Some(bits) => Self::Bf16(bits),
+                None => Self::Dense(weight.dequantize()),
+            };
+        };
+        let signed = || -> Vec<i8> { packed.block_quants().iter().map(|&b| b as i8).collect() };
+        match packed.format() {
+            Int8Format::Q6K => {
+                let [first, second] = packed.half_block_scales();
+                Self::Q6K {
+                    quants: signed(),
+                    first,
+                    second,
                 }
             }
-            None => match weight.bf16_bits() {
-                Some(bits) => Weights::Bf16(gpu.upload(&bits)?),
-                None => Weights::Dense(gpu.upload(&weight.dequantize())?),
+            Int8Format::Q8_0 => Self::Q8_0 {
+                quants: signed(),
+                scales: packed.scales_and_offsets().0,
             },
-        };
-        Ok(Self {
-            n_out: weight.n_out(),
-            k_in: weight.k_in(),
-            weights,
-            activations,
+            format => {
+                let (scales, offsets) = packed.scales_and_offsets();
+                Self::Q4 {
+                    quants: packed.block_quants(),
+                    high: format.has_high_bits().then(|| packed.block_high_bits()),
+                    scales,
+                    offsets,
+                }
+            }
+        }
+    }
+
+    /// Appends `other`'s output columns (a matrix stored alike).
+    fn stack(&mut self, other: Self) {
+        match (self, other) {
+            (
+                Self::Q8_0 { quants, scales },
+                Self::Q8_0 {
+                    quants: q,
+                    scales: s,
+                },
+            ) => {
+                quants.extend(q);
+                scales.extend(s);
+            }
+            (
+                Self::Q6K {
+                    quants,
+                    first,
+                    second,
+                },
+                Self::Q6K {
+                    quants: q,
+                    first: f,
+                    second: s,
+                },
+            ) => {
+                quants.extend(q);
+                first.extend(f);
+                second.extend(s);
+            }
+            (
+                Self::Q4 {
+                    quants,
+                    high,
+                    scales,
+                    offsets,
+                },
+                Self::Q4 {
+                    quants: q,
+                    high: h,
+                    scales: s,
+                    offsets: o,
+                },
+            ) => {
+                quants.extend(q);
+                if let (Some(high), Some(h)) = (high.as_mut(), h) {
+                    high.extend(h);
+                }
+                scales.extend(s);
+                offsets.extend(o);
+            }
+            (Self::Dense(w), Self::Dense(o)) => w.extend(o),
+            (Self::Bf16(w), Self::Bf16(o)) => w.extend(o),
+            _ => unreachable!("only matrices stored alike are stacked"),
+        }
+    }
+
+    fn upload(self, gpu: &Gpu) -> EngineResult<Weights> {
+        Ok(match self {
+            Self::Q8_0 { quants, scales } => Weights::Q8_0 {
+                quants: gpu.upload(&quants)?,
+                scales: gpu.upload(&scales)?,
+            },
+            Self::Q6K {
+                quants,
+                first,
+                second,
+            } => Weights::Q6K {
+                quants: gpu.upload(&quants)?,
+                first: gpu.upload(&first)?,
+                second: gpu.upload(&second)?,
+            },
+            Self::Q4 {
+                quants,
+                high,
+                scales,
+                offsets,
+            } => Weights::Q4 {
+                quants: gpu.upload(&quants)?,
+                high: high.map(|h| gpu.upload(&h)).transpose()?,
+                scales: gpu.upload(&scales)?,
+                offsets: gpu.upload(&offsets)?,
+            },
+            Self::Dense(w) => Weights::Dense(gpu.upload(&w)?),
+            Self::Bf16(w) => Weights::Bf16(gpu.upload(&w)?),
         })
+    }
+}
+
+/// One or more weight matrices applied to one input, their outputs side by side in each row
+/// of `[rows, n_out]` (q/k/v; gate/up; or a single matrix). Consecutive matrices stored alike
+/// are stacked into one, so the projection runs as few matmuls as its storage allows.
+pub struct Projection {
+    /// Each stacked part and its first output column.
+    parts: Vec<(DeviceMatrix, usize)>,
+    n_out: usize,
+}
+
+impl Projection {
+    pub fn upload(gpu: &Gpu, weights: &[&QWeight]) -> EngineResult<Self> {
+        let mut groups: Vec<(Storage, Vec<&QWeight>)> = Vec::new();
+        for &w in weights {
+            match groups.last_mut() {
+                Some((kind, group)) if *kind == storage(w) => group.push(w),
+                _ => groups.push((storage(w), vec![w])),
+            }
+        }
+        let mut parts = Vec::with_capacity(groups.len());
+        let mut n_out = 0;
+        for (_, group) in groups {
+            let mut host = HostWeights::of(group[0]);
+            for w in &group[1..] {
+                host.stack(HostWeights::of(w));
+            }
+            let matrix = DeviceMatrix {
+                n_out: group.iter().map(|w| w.n_out()).sum(),
+                k_in: group[0].k_in(),
+                activations: group[0]
+                    .packed_int8()
+                    .map(|p| p.format().activation_format()),
+                weights: host.upload(gpu)?,
+            };
+            let width = matrix.n_out;
+            parts.push((matrix, n_out));
+            n_out += width;
+        }
+        Ok(Self { parts, n_out })
+    }
+
+    pub fn n_out(&self) -> usize {
+        self.n_out
+    }
+
+    /// Matmuls one application launches.
+    pub fn matrices(&self) -> impl Iterator<Item = &DeviceMatrix> {
+        self.parts.iter().map(|(m, _)| m)
     }
 
     /// Multiplied by cuBLAS on unquantized activations.
-    pub fn is_dense(&self) -> bool {
-        matches!(self.weights, Weights::Dense(_) | Weights::Bf16(_))
+    pub fn has_dense(&self) -> bool {
+        self.matrices().any(DeviceMatrix::is_dense)
     }
 
-    /// `input [rows, k_in]` × Wᵢᵀ into each `outᵢ [rows, n_outᵢ]`, for matrices sharing one
-    /// input (q/k/v; gate/up): the input is formed and quantized (or rounded to bf16) once per
-    /// format; where every matrix takes one 8-bit format, by one kernel that forms and
-    /// quantizes it.
-    pub fn matmul_each<const N: usize>(
-        gpu: &Gpu,
-        blas: Option<&CudaBlas>,
-        products: [(&Self, &mut CudaSlice<f32>); N],
-        input: Activations,
-        rows: usize,
-        scratch: &mut ActivationScratch,
-    ) -> EngineResult<()> {
-        let first = products[0].0;
-        let fused = products
-            .iter()
-            .all(|(m, _)| m.input_kind() == (first.activations, false))
-            .then_some(first.activations)
-            .flatten();
-        let x = match fused {
-            Some(format) => {
-                scratch.quantize(gpu, &input, rows, first.k_in, format)?;
-                None
-            }
-            None => {
-                let x = input.materialize(gpu)?;
-                let mut prepared: Vec<InputKind> = Vec::new();
-                for (m, _) in &products {
-                    if !prepared.contains(&m.input_kind()) {
-                        prepared.push(m.input_kind());
-                        m.prepare(gpu, x, rows, scratch)?;
-                    }
-                }
-                Some(x)
-            }
-        };
-        for (m, out) in products {
-            m.apply(gpu, blas, x, scratch, rows, out, false)?;
-        }
-        Ok(())
-    }
-
-    /// `out += input × Wᵀ`: a projection that ends in the residual stream, the add folded
-    /// into the product.
-    pub fn matmul_add(
-        &self,
-        gpu: &Gpu,
-        blas: Option<&CudaBlas>,
-        input: Activations,
-        rows: usize,
-        scratch: &mut ActivationScratch,
-        out: &mut CudaSlice<f32>,
-    ) -> EngineResult<()> {
-        let x = match (self.activations, self.input_kind()) {
-            (Some(format), (_, false)) => {
-                scratch.quantize(gpu, &input, rows, self.k_in, format)?;
-                None
-            }
-            _ => {
-                let x = input.materialize(gpu)?;
-                self.prepare(gpu, x, rows, scratch)?;
-                Some(x)
-            }
-        };
-        self.apply(gpu, blas, x, scratch, rows, out, true)
-    }
-
-    /// `out = input × Wᵀ`.
+    /// `out [rows, n_out] (+)= input [rows, k_in] × Wᵀ`, adding where `accumulate` (an output
+    /// projection adding into the residual stream). The input is formed and quantized (or
+    /// rounded to bf16) once per format; where every part takes one 8-bit format, by one kernel
+    /// that forms and quantizes it.
+    #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
         gpu: &Gpu,
@@ -236,8 +340,54 @@ impl DeviceMatrix {
         rows: usize,
         scratch: &mut ActivationScratch,
         out: &mut CudaSlice<f32>,
+        accumulate: bool,
     ) -> EngineResult<()> {
-        Self::matmul_each(gpu, blas, [(self, out)], input, rows, scratch)
+        let first = &self.parts[0].0;
+        let fused = self
+            .matrices()
+            .all(|m| m.input_kind() == (first.activations, false))
+            .then_some(first.activations)
+            .flatten();
+        let x = match fused {
+            Some(format) => {
+                scratch.quantize(gpu, &input, rows, first.k_in, format)?;
+                None
+            }
+            None => {
+                let x = input.materialize(gpu, first.k_in)?;
+                let mut prepared: Vec<InputKind> = Vec::new();
+                for m in self.matrices() {
+                    if !prepared.contains(&m.input_kind()) {
+                        prepared.push(m.input_kind());
+                        m.prepare(gpu, x, rows, scratch)?;
+                    }
+                }
+                Some(x)
+            }
+        };
+        for (m, first_column) in &self.parts {
+            let mut columns = out.slice_mut(*first_column..);
+            let target = OutputColumns {
+                out: &mut columns,
+                stride: self.n_out,
+                accumulate,
+            };
+            m.apply(gpu, blas, x, scratch, rows, target)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a matrix's outputs go: its columns of rows `stride` apart, written or added to.
+struct OutputColumns<'a, 'b> {
+    out: &'a mut CudaViewMut<'b, f32>,
+    stride: usize,
+    accumulate: bool,
+}
+
+impl DeviceMatrix {
+    fn is_dense(&self) -> bool {
+        matches!(self.weights, Weights::Dense(_) | Weights::Bf16(_))
     }
 
     /// What this matrix multiplies: activations quantized in a format, or rounded to bf16, or
@@ -246,8 +396,7 @@ impl DeviceMatrix {
         (self.activations, matches!(self.weights, Weights::Bf16(_)))
     }
 
-    /// Rounds `x` to bf16 where this matrix takes bf16 (8-bit formats are quantized by
-    /// `matmul_each` and `matmul_add`), into `scratch`.
+    /// Quantizes or rounds `x` as this matrix takes it, into `scratch`.
     fn prepare(
         &self,
         gpu: &Gpu,
@@ -265,9 +414,8 @@ impl DeviceMatrix {
         Ok(())
     }
 
-    /// `out (+)= x × Wᵀ` on the inputs left in `scratch` (`x`, the f32 input, for dense
+    /// `target (+)= x × Wᵀ` on the inputs left in `scratch` (`x`, the f32 input, for dense
     /// weights).
-    #[allow(clippy::too_many_arguments)]
     fn apply(
         &self,
         gpu: &Gpu,
@@ -275,11 +423,11 @@ impl DeviceMatrix {
         x: Option<&CudaSlice<f32>>,
         scratch: &ActivationScratch,
         rows: usize,
-        out: &mut CudaSlice<f32>,
-        accumulate: bool,
+        target: OutputColumns,
     ) -> EngineResult<()> {
         let (n_out, blocks) = (self.n_out as i32, (self.k_in / BLOCK) as i32);
-        let accumulate_arg = accumulate as i32;
+        let (stride, accumulate) = (target.stride as i32, target.accumulate as i32);
+        let out = target.out;
         let config = Gpu::warps(self.n_out, rows);
         let quantized = || {
             scratch
@@ -295,10 +443,11 @@ impl DeviceMatrix {
                     .arg(scales)
                     .arg(&x.quants)
                     .arg(&x.scales)
-                    .arg(out)
+                    .arg(&mut *out)
                     .arg(&n_out)
                     .arg(&blocks)
-                    .arg(&accumulate_arg);
+                    .arg(&stride)
+                    .arg(&accumulate);
                 // SAFETY: quants hold n_out · k_in bytes, x holds rows · k_in quants.
                 unsafe { gpu.launch(launch, config) }
             }
@@ -315,10 +464,11 @@ impl DeviceMatrix {
                     .arg(second)
                     .arg(&x.quants)
                     .arg(&x.scales)
-                    .arg(out)
+                    .arg(&mut *out)
                     .arg(&n_out)
                     .arg(&blocks)
-                    .arg(&accumulate_arg);
+                    .arg(&stride)
+                    .arg(&accumulate);
                 // SAFETY: quants hold n_out · k_in bytes and each half's scales one f32 per
                 // block, x holds rows · k_in quants.
                 unsafe { gpu.launch(launch, config) }
@@ -348,10 +498,11 @@ impl DeviceMatrix {
                     .arg(&x.quants)
                     .arg(&x.scales)
                     .arg(&x.scaled_sums)
-                    .arg(out)
+                    .arg(&mut *out)
                     .arg(&n_out)
                     .arg(&blocks)
-                    .arg(&accumulate_arg);
+                    .arg(&stride)
+                    .arg(&accumulate);
                 // SAFETY: quants hold n_out · k_in / 2 bytes (and high one u32 per block), x
                 // holds rows · k_in quants.
                 unsafe { gpu.launch(launch, config) }
@@ -369,18 +520,19 @@ impl DeviceMatrix {
                     alpha: 1.0f32,
                     lda: self.k_in as i32,
                     ldb: self.k_in as i32,
-                    beta: if accumulate { 1.0 } else { 0.0 },
-                    ldc: self.n_out as i32,
+                    beta: if target.accumulate { 1.0 } else { 0.0 },
+                    ldc: target.stride as i32,
                 };
                 gpu.count_launches(1);
-                // SAFETY: the shapes above match the buffers' lengths.
+                // SAFETY: the shapes above match the buffers' lengths; the output's rows are
+                // `stride` apart, its columns within them.
                 unsafe { blas.gemm(gemm, w, x, out) }.map_err(gpu_error)
             }
             Weights::Bf16(w) => {
                 let blas = blas.ok_or_else(|| missing_blas("bf16"))?;
                 let x16 = scratch.bf16.as_ref().ok_or_else(missing_scratch)?;
                 let alpha = 1.0f32;
-                let beta = if accumulate { 1.0f32 } else { 0.0 };
+                let beta = if target.accumulate { 1.0f32 } else { 0.0 };
                 let (w_ptr, _w_record) = w.device_ptr(&gpu.stream);
                 let (x_ptr, _x_record) = x16.device_ptr(&gpu.stream);
                 let (out_ptr, _out_record) = out.device_ptr_mut(&gpu.stream);
@@ -406,7 +558,7 @@ impl DeviceMatrix {
                         &beta as *const f32 as *const _,
                         out_ptr as *mut _,
                         cudaDataType_t::CUDA_R_32F,
-                        self.n_out as i32,
+                        target.stride as i32,
                         cublasComputeType_t::CUBLAS_COMPUTE_32F,
                         cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                     )
@@ -438,18 +590,19 @@ pub enum Activations<'a> {
         eps: f32,
         normed: &'a mut CudaSlice<f32>,
     },
-    /// A gated MLP's `act(gate) · up` (SiLU, or Gemma's GELU; in place in `gate` where
-    /// materialized).
+    /// A gated MLP's `act(gate) · up` from the stacked gate/up rows (SiLU, or Gemma's GELU;
+    /// into `out` where materialized).
     Gated {
-        gate: &'a mut CudaSlice<f32>,
-        up: &'a CudaSlice<f32>,
+        gate_up: &'a CudaSlice<f32>,
         gelu: bool,
+        out: &'a mut CudaSlice<f32>,
     },
 }
 
 impl<'a> Activations<'a> {
-    /// The input in f32, computed by its own kernel where it is not a buffer yet.
-    fn materialize(self, gpu: &Gpu) -> EngineResult<&'a CudaSlice<f32>> {
+    /// The input `[rows, k_in]` in f32, computed by its own kernel where it is not a buffer
+    /// yet.
+    fn materialize(self, gpu: &Gpu, k_in: usize) -> EngineResult<&'a CudaSlice<f32>> {
         match self {
             Self::Plain(x) => Ok(x),
             Self::Normed {
@@ -461,9 +614,9 @@ impl<'a> Activations<'a> {
                 gpu.rms_norm(x, weight, eps, normed)?;
                 Ok(normed)
             }
-            Self::Gated { gate, up, gelu } => {
-                gpu.gated(gate, up, gelu)?;
-                Ok(gate)
+            Self::Gated { gate_up, gelu, out } => {
+                gpu.gated(gate_up, k_in, gelu, out)?;
+                Ok(out)
             }
         }
     }
@@ -494,7 +647,7 @@ impl ActivationScratch {
             .map(|(_, q)| q)
             .ok_or_else(missing_scratch)?;
         // SOURCE_PLAIN, SOURCE_SILU, SOURCE_GELU in `kernels/quant.cu`.
-        let (x, up, source) = match input {
+        let (x, source) = match input {
             Activations::Normed { x, weight, eps, .. } => {
                 let dim = k_in as i32;
                 let mut launch = gpu.stream.launch_builder(&gpu.kernels.rms_norm_quantize_q8);
@@ -516,22 +669,76 @@ impl ActivationScratch {
                 // many quants and a scale per block; 256 threads per row, as `rms_norm`'s.
                 return unsafe { gpu.launch(launch, config) };
             }
-            Activations::Plain(x) => (&**x, &**x, 0i32),
-            Activations::Gated { gate, up, gelu } => (&**gate, &**up, 1 + *gelu as i32),
+            Activations::Plain(x) => (&**x, 0i32),
+            Activations::Gated { gate_up, gelu, .. } => (&**gate_up, 1 + *gelu as i32),
         };
-        let units_arg = units as i32;
+        let (units_arg, dim) = (units as i32, k_in as i32);
         let mut launch = gpu.stream.launch_builder(&gpu.kernels.quantize_q8);
         launch
             .arg(x)
-            .arg(up)
             .arg(&mut out.quants)
             .arg(&mut out.scales)
             .arg(&mut out.scaled_sums)
             .arg(&units_arg)
             .arg(&format_arg)
-            .arg(&source);
-        // SAFETY: x (and up) hold `blocks` whole blocks of 32 (K-quant rows are whole
-        // superblocks), the scratch at least as many.
+            .arg(&source)
+            .arg(&dim);
+        // SAFETY: the activations are `blocks` whole blocks of 32 (K-quant rows are whole
+        // superblocks; gated ones read rows of 2 · k_in), the scratch holds at least as many.
         unsafe { gpu.launch(launch, Gpu::warps(units, 1)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    fn weight(rows: &[f32], n: usize, k: usize, dtype: GgmlDType) -> QWeight {
+        let dense = Tensor::from_vec(rows.to_vec(), (n, k), &Device::Cpu).unwrap();
+        QWeight::from_qtensor("w", &QTensor::quantize(&dense, dtype).unwrap()).unwrap()
+    }
+
+    /// Stacking q/k/v (or gate/up) on the host gives the arrays of the matrix their rows make
+    /// together: every format quantizes each output column on its own.
+    #[test]
+    fn stacked_arrays_are_the_arrays_of_the_stacked_matrix() {
+        let k = 256;
+        let values: Vec<f32> = (0..5 * k)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+            .collect();
+        let (first, second) = values.split_at(3 * k);
+        for dtype in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::BF16,
+            GgmlDType::F16,
+        ] {
+            let (a, b) = (weight(first, 3, k, dtype), weight(second, 2, k, dtype));
+            assert!(storage(&a) == storage(&b), "{dtype:?}");
+            let mut stacked = HostWeights::of(&a);
+            stacked.stack(HostWeights::of(&b));
+            let together = HostWeights::of(&weight(&values, 5, k, dtype));
+            assert_eq!(stacked, together, "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn matrices_stored_differently_are_not_stacked() {
+        let k = 64;
+        let values = vec![0.5f32; 2 * k];
+        let q8 = weight(&values, 2, k, GgmlDType::Q8_0);
+        let q4 = weight(&values, 2, k, GgmlDType::Q4_1);
+        let f16 = weight(&values, 2, k, GgmlDType::F16);
+        assert!(storage(&q8) != storage(&q4));
+        assert!(storage(&q8) != storage(&f16));
+        assert!(storage(&q4) == storage(&weight(&values, 2, k, GgmlDType::Q4_1)));
     }
 }

@@ -24,7 +24,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice};
 use graphs::DecodeGraphs;
 use launch::{Gpu, KvCacheLayer, RopeRows};
-use matrix::{ActivationScratch, Activations, DeviceMatrix};
+use matrix::{ActivationScratch, Activations, DeviceMatrix, Projection};
 use paged_kv::PagedKv;
 
 /// Head dimensions the attention kernel holds per warp (8 per lane).
@@ -46,22 +46,20 @@ fn driver_present() -> bool {
 
 struct DeviceLayer {
     attn_norm: CudaSlice<f32>,
-    wq: DeviceMatrix,
-    wk: DeviceMatrix,
-    wv: DeviceMatrix,
-    wo: DeviceMatrix,
-    bq: Option<CudaSlice<f32>>,
-    bk: Option<CudaSlice<f32>>,
-    bv: Option<CudaSlice<f32>>,
+    /// q, k and v side by side in each output row.
+    qkv: Projection,
+    wo: Projection,
+    /// The q/k/v biases side by side (zeros for a missing one), where the model has any.
+    qkv_bias: Option<CudaSlice<f32>>,
     q_norm: Option<CudaSlice<f32>>,
     k_norm: Option<CudaSlice<f32>>,
     post_attn_norm: Option<CudaSlice<f32>>,
     post_ffn_norm: Option<CudaSlice<f32>>,
     window: Option<usize>,
     ffn_norm: CudaSlice<f32>,
-    w_gate: DeviceMatrix,
-    w_up: DeviceMatrix,
-    w_down: DeviceMatrix,
+    /// gate and up side by side in each output row.
+    gate_up: Projection,
+    w_down: Projection,
 }
 
 /// The decoder's weights on one GPU, and the handles its step launches with.
@@ -73,7 +71,7 @@ struct DeviceModel {
     host_embedding: Vec<f32>,
     layers: Vec<DeviceLayer>,
     final_norm: CudaSlice<f32>,
-    lm_head: DeviceMatrix,
+    lm_head: Projection,
     inv_freq: CudaSlice<f32>,
     /// The sliding-window layers' own frequencies (Gemma 3's local rope base).
     local_inv_freq: Option<CudaSlice<f32>>,
@@ -154,8 +152,12 @@ impl CudaExecutor {
             .iter()
             .map(|l| DeviceLayer::upload(&gpu, l))
             .collect::<EngineResult<Vec<_>>>()?;
-        let lm_head = DeviceMatrix::upload(&gpu, &weights.lm_head)?;
-        let needs_blas = lm_head.is_dense() || layers.iter().any(DeviceLayer::has_dense);
+        let lm_head = Projection::upload(&gpu, &[&weights.lm_head])?;
+        let needs_blas = layers
+            .iter()
+            .flat_map(DeviceLayer::projections)
+            .chain([&lm_head])
+            .any(Projection::has_dense);
         let blas = match needs_blas {
             // SAFETY: only tries to dlopen libcublas under its usual names.
             true if !unsafe { cudarc::cublas::sys::is_culib_present() } => {
@@ -210,40 +212,35 @@ impl CudaExecutor {
 impl DeviceLayer {
     fn upload(gpu: &Gpu, w: &LayerWeights) -> EngineResult<Self> {
         let vector = |v: &Option<Vec<f32>>| v.as_deref().map(|v| gpu.upload(v)).transpose();
-        let matrix = |m| DeviceMatrix::upload(gpu, m);
+        let biases = [(&w.bq, &w.wq), (&w.bk, &w.wk), (&w.bv, &w.wv)];
+        let qkv_bias = match biases.iter().any(|(b, _)| b.is_some()) {
+            true => {
+                let side_by_side: Vec<f32> = biases
+                    .iter()
+                    .flat_map(|&(b, m)| b.clone().unwrap_or_else(|| vec![0.0; m.n_out()]))
+                    .collect();
+                Some(gpu.upload(&side_by_side)?)
+            }
+            false => None,
+        };
         Ok(Self {
             attn_norm: gpu.upload(&w.attn_norm)?,
-            wq: matrix(&w.wq)?,
-            wk: matrix(&w.wk)?,
-            wv: matrix(&w.wv)?,
-            wo: matrix(&w.wo)?,
-            bq: vector(&w.bq)?,
-            bk: vector(&w.bk)?,
-            bv: vector(&w.bv)?,
+            qkv: Projection::upload(gpu, &[&w.wq, &w.wk, &w.wv])?,
+            wo: Projection::upload(gpu, &[&w.wo])?,
+            qkv_bias,
             q_norm: vector(&w.q_norm)?,
             k_norm: vector(&w.k_norm)?,
             post_attn_norm: vector(&w.post_attn_norm)?,
             post_ffn_norm: vector(&w.post_ffn_norm)?,
             window: w.window,
             ffn_norm: gpu.upload(&w.ffn_norm)?,
-            w_gate: matrix(&w.w_gate)?,
-            w_up: matrix(&w.w_up)?,
-            w_down: matrix(&w.w_down)?,
+            gate_up: Projection::upload(gpu, &[&w.w_gate, &w.w_up])?,
+            w_down: Projection::upload(gpu, &[&w.w_down])?,
         })
     }
 
-    fn has_dense(&self) -> bool {
-        [
-            &self.wq,
-            &self.wk,
-            &self.wv,
-            &self.wo,
-            &self.w_gate,
-            &self.w_up,
-            &self.w_down,
-        ]
-        .iter()
-        .any(|m| m.is_dense())
+    fn projections(&self) -> [&Projection; 4] {
+        [&self.qkv, &self.wo, &self.gate_up, &self.w_down]
     }
 }
 
@@ -265,8 +262,9 @@ impl DeviceModel {
     fn matrices(&self) -> impl Iterator<Item = &DeviceMatrix> {
         self.layers
             .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .flat_map(DeviceLayer::projections)
             .chain([&self.lm_head])
+            .flat_map(Projection::matrices)
     }
 
     /// The decoder stack over a step's rows, from the embedding lookup to the last layer's
@@ -301,7 +299,7 @@ impl DeviceModel {
         gpu.rms_norm(last, &self.final_norm, hp.rms_eps, &mut head.normed)?;
         let input = Activations::Plain(&head.normed);
         self.lm_head
-            .matmul(gpu, blas, input, seqs, scratch, &mut head.logits)?;
+            .matmul(gpu, blas, input, seqs, scratch, &mut head.logits, false)?;
         gpu.logit_stats(&head.logits, seqs, &mut head.stats, &mut head.argmax)
     }
 
@@ -361,37 +359,31 @@ impl DeviceModel {
     ) -> EngineResult<()> {
         let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
         let rows = buf.rows;
-        DeviceMatrix::matmul_each(
+        let normed = Activations::Normed {
+            x: &buf.x,
+            weight: &w.attn_norm,
+            eps: hp.rms_eps,
+            normed: &mut buf.h,
+        };
+        w.qkv.matmul(
             gpu,
             blas,
-            [
-                (&w.wq, &mut buf.q),
-                (&w.wk, &mut buf.k),
-                (&w.wv, &mut buf.v),
-            ],
-            Activations::Normed {
-                x: &buf.x,
-                weight: &w.attn_norm,
-                eps: hp.rms_eps,
-                normed: &mut buf.h,
-            },
+            normed,
             rows,
             &mut buf.scratch,
+            &mut buf.qkv,
+            false,
         )?;
-        for (t, bias) in [
-            (&mut buf.q, &w.bq),
-            (&mut buf.k, &w.bk),
-            (&mut buf.v, &w.bv),
-        ] {
-            if let Some(bias) = bias {
-                gpu.add_bias_rows(t, bias)?;
-            }
+        if let Some(bias) = &w.qkv_bias {
+            gpu.add_bias_rows(&mut buf.qkv, bias)?;
         }
+        let stride = w.qkv.n_out();
         if let Some(norm) = &w.q_norm {
-            gpu.rms_norm_in_place(&mut buf.q, norm, hp.rms_eps)?;
+            gpu.rms_norm_heads(&mut buf.qkv, stride, (0, hp.heads), norm, hp.rms_eps)?;
         }
         if let Some(norm) = &w.k_norm {
-            gpu.rms_norm_in_place(&mut buf.k, norm, hp.rms_eps)?;
+            let keys = (hp.heads, hp.kv_heads);
+            gpu.rms_norm_heads(&mut buf.qkv, stride, keys, norm, hp.rms_eps)?;
         }
         let inv_freq = match (w.window, &self.local_inv_freq) {
             (Some(_), Some(local)) => local,
@@ -400,9 +392,8 @@ impl DeviceModel {
         let offset = index * paged.layer_stride();
         gpu.rope_kv_append(
             RopeRows {
+                qkv: &buf.qkv,
                 q: &mut buf.q,
-                k: &buf.k,
-                v: &buf.v,
                 positions: inputs.positions(),
                 slots: inputs.slots(),
                 inv_freq,
@@ -430,18 +421,20 @@ impl DeviceModel {
         )?;
         self.residual(&w.wo, &w.post_attn_norm, Sublayer::Attention, buf)?;
 
-        DeviceMatrix::matmul_each(
+        let normed = Activations::Normed {
+            x: &buf.x,
+            weight: &w.ffn_norm,
+            eps: hp.rms_eps,
+            normed: &mut buf.h,
+        };
+        w.gate_up.matmul(
             gpu,
             blas,
-            [(&w.w_gate, &mut buf.gate), (&w.w_up, &mut buf.up)],
-            Activations::Normed {
-                x: &buf.x,
-                weight: &w.ffn_norm,
-                eps: hp.rms_eps,
-                normed: &mut buf.h,
-            },
+            normed,
             rows,
             &mut buf.scratch,
+            &mut buf.gate_up,
+            false,
         )?;
         self.residual(&w.w_down, &w.post_ffn_norm, Sublayer::Mlp, buf)
     }
@@ -451,7 +444,7 @@ impl DeviceModel {
     /// norms the sublayer's output first (Gemma 3), normed and then added.
     fn residual(
         &self,
-        w: &DeviceMatrix,
+        w: &Projection,
         post_norm: &Option<CudaSlice<f32>>,
         sublayer: Sublayer,
         buf: &mut StepBuffers,
@@ -460,15 +453,23 @@ impl DeviceModel {
         let input = match sublayer {
             Sublayer::Attention => Activations::Plain(&buf.attn),
             Sublayer::Mlp => Activations::Gated {
-                gate: &mut buf.gate,
-                up: &buf.up,
+                gate_up: &buf.gate_up,
                 gelu: self.hp.gemma.is_some(),
+                out: &mut buf.act,
             },
         };
         match post_norm {
-            None => w.matmul_add(gpu, blas, input, rows, &mut buf.scratch, &mut buf.x),
+            None => w.matmul(gpu, blas, input, rows, &mut buf.scratch, &mut buf.x, true),
             Some(norm) => {
-                w.matmul(gpu, blas, input, rows, &mut buf.scratch, &mut buf.proj)?;
+                w.matmul(
+                    gpu,
+                    blas,
+                    input,
+                    rows,
+                    &mut buf.scratch,
+                    &mut buf.proj,
+                    false,
+                )?;
                 gpu.rms_norm(&buf.proj, norm, self.hp.rms_eps, &mut buf.h)?;
                 gpu.add_in_place(&mut buf.x, &buf.h)
             }

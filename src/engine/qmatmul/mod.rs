@@ -168,6 +168,10 @@ impl QWeight {
     }
 
     /// A bf16 matrix's values as raw bits, row-major `[n_out, k_in]` (the GPU's bf16 GEMM).
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.dense(), Some(DenseMatrix::Bf16(_)))
+    }
+
     pub fn bf16_bits(&self) -> Option<Vec<u16>> {
         match self.dense()? {
             DenseMatrix::Bf16(values) => Some(values.iter().map(|v| v.to_bits()).collect()),
