@@ -10,12 +10,17 @@
 #                           ".gpu/model.sha256"]
 #                    command: bash scripts/gpu-check.sh receive
 #                    (unpacks, then runs tests/cuda.rs on the GPU: tiny models in every weight
-#                    format against the CPU, batched == unbatched, forks, KV back to 0)
+#                    format against the CPU, graph replay == eager steps, batched ==
+#                    unbatched, forks, KV back to 0)
 #   device call 2:   carry [".gpu/model.part-ab"]  (at once: a machine stays warm for 30 s)
 #                    command: bash scripts/gpu-check.sh run
-#                    (the real model: parity with the CPU, `bench engine` B = 1…64, and
-#                    `bench routing` with both models on the GPU; or, with `formats`
-#                    instead of `run`, `bench engine` in every weight format)
+#                    (the real model: parity with the CPU (f32), `bench engine` B = 1…64 with
+#                    CUDA graphs on and off, in Q4_1 and bf16, and the GPU pair's two models
+#                    stepping beside each other; or, with `formats` instead of `run`,
+#                    `bench engine` in every weight format)
+#   device call 3:   carry [".gpu/model.part-ab"], command: bash scripts/gpu-check.sh pair
+#                    (config/gpu-pair.toml: `bench pair`, then `bench routing` against the LLM
+#                    alone)
 #
 # Every check runs even if an earlier one fails; the exit status says whether all passed. The
 # reports land in $OUT (the device tool brings them back) or /tmp/gpu-check-out.
@@ -96,7 +101,7 @@ receive)
     echo "cuda tests exit status $status" | tee -a "$out/cuda-tests.txt"
     exit "$status"
     ;;
-run | formats)
+run | formats | pair)
     [ -x "$stash/tokenrouter" ] || {
         echo "nothing received: this is a fresh machine; run call 1 (receive) first" >&2
         exit 3
@@ -120,35 +125,36 @@ run | formats)
         grep -v ' INFO ' "$report"
         exit $status
     fi
-    # The gate: the real model dequantized to f32 on both sides. Then, for the record, the
-    # shipped Q4_1 weights (8-bit activations) on the GPU. (The same rule between two of this
-    # project's CPU kernels, and the paper-setting simulation, need no GPU: run them at home.)
-    # Each step has its own time limit, so one hang cannot take the call's device time.
-    timeout 150 "$bin" bench parity --config config/dense-pair.toml --model smollm2-135m-f32 \
+    if [ "$1" = pair ]; then
+        # Instead of `run`: the GPU pair's agreement and step-cost ratio, then routing against
+        # the LLM alone, priced by step profiles measured on the GPU around every cell.
+        timeout 60 "$bin" bench pair --config config/gpu-pair.toml \
+            --model smollm2-135m-skip7-q4_0 --reference smollm2-135m-bf16 2>&1 \
+            | tee "$out/pair-gpu.md" || status=1
+        timeout 300 "$bin" bench routing --config config/gpu-pair.toml --device cuda:0 \
+            --policy r2r --concurrency 8 --workload long --max-tokens 64 --requests 32 \
+            --rounds 2 --mode tokenrouter,async,llm-only --profile-steps 2>&1 \
+            | tee "$out/routing-gpu.md" || status=1
+        exit $status
+    fi
+    # The gate: the real model dequantized to f32 on both sides. Each step has its own time
+    # limit, so one hang cannot take the call's device time.
+    timeout 120 "$bin" bench parity --config config/dense-pair.toml --model smollm2-135m-f32 \
         --device cuda:0 --tokens 64 2>&1 | tee "$out/parity.md" || status=1
-    {
-        echo
-        timeout 60 "$bin" bench parity --model smollm2-135m --device cuda:0 --tokens 64 || true
-    } 2>&1 | tee -a "$out/parity.md"
     # Decode steps replayed as CUDA graphs beside the same steps launched kernel by kernel.
     timeout 120 "$bin" bench engine --model smollm2-135m --device cuda:0 --cuda-graphs on,off \
         --batch 1,2,4,8,16,32,64 2>&1 | tee "$out/engine-gpu.md" || status=1
     timeout 90 "$bin" bench engine --model smollm2-135m --device cuda:0 --weights bf16 \
         --cuda-graphs on,off --batch 1,8,64 2>&1 | tee "$out/engine-gpu-bf16.md" || status=1
-    timeout 60 "$bin" bench engine --model smollm2-135m-skip7 --device cuda:0 --batch 1,8,64 \
-        2>&1 | tee "$out/engine-gpu-skip7.md" || status=1
-    # Each model's step alone, alternating with the other, and beside it on its own stream.
-    timeout 90 "$bin" bench engine --model smollm2-135m --concurrent-with smollm2-135m-skip7 \
-        --device cuda:0 --batch 1,8 2>&1 | tee "$out/engine-gpu-concurrent.md" || status=1
-    # The step profiles measured on the GPU around every cell price the profile prediction
-    # (the configured ones are the CPU's).
-    timeout 240 "$bin" bench routing --device cuda:0 --policy r2r --concurrency 8 \
-        --workload long --max-tokens 64 --requests 32 --rounds 2 --profile-steps 2>&1 \
-        | tee "$out/routing-gpu.md" || status=1
+    # The GPU pair's models: each one's step alone, alternating with the other, and beside it
+    # on its own stream.
+    timeout 90 "$bin" bench engine --config config/gpu-pair.toml --model smollm2-135m-bf16 \
+        --concurrent-with smollm2-135m-skip7-q4_0 --device cuda:0 --batch 1,8 2>&1 \
+        | tee "$out/engine-gpu-concurrent.md" || status=1
     exit $status
     ;;
 *)
-    echo "usage: $0 prepare | receive | run | formats   (see the comment at the top)" >&2
+    echo "usage: $0 prepare | receive | run | formats | pair   (see the comment at the top)" >&2
     exit 2
     ;;
 esac
