@@ -151,6 +151,12 @@ run | formats | pair)
     timeout 90 "$bin" bench engine --config config/gpu-pair.toml --model smollm2-135m-bf16 \
         --concurrent-with smollm2-135m-skip7-q4_0 --device cuda:0 --batch 1,8 2>&1 \
         | tee "$out/engine-gpu-concurrent.md" || status=1
+    # The same with the SLM's stream at high priority.
+    sed '/^name = "smollm2-135m-skip7-q4_0"/a stream_priority = "high"' config/gpu-pair.toml \
+        > "$stash/gpu-pair-priority.toml"
+    timeout 90 "$bin" bench engine --config "$stash/gpu-pair-priority.toml" \
+        --model smollm2-135m-bf16 --concurrent-with smollm2-135m-skip7-q4_0 --device cuda:0 \
+        --batch 1,8 2>&1 | tee "$out/engine-gpu-concurrent-priority.md" || status=1
     exit $status
     ;;
 *)

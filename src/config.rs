@@ -210,6 +210,16 @@ fn default_join_timeout_ms() -> u64 {
     60_000
 }
 
+/// The priority of a GPU model's stream: where two models share a GPU, the scheduler runs a
+/// high-priority stream's ready blocks first (the SLM's short steps between the LLM's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamPriority {
+    #[default]
+    Normal,
+    High,
+}
+
 /// Which process runs a model: `tokenrouter serve` itself, or a `tokenrouter worker`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -531,6 +541,9 @@ pub struct ModelConfig {
     /// the CPU.
     #[serde(default = "default_cuda_graphs")]
     pub cuda_graphs: bool,
+    /// On a GPU, the priority of this model's stream. Ignored on the CPU.
+    #[serde(default)]
+    pub stream_priority: StreamPriority,
     /// KV cache budget in tokens (summed over all sequences this model holds).
     #[serde(default = "default_kv_tokens")]
     pub kv_tokens: usize,
@@ -1238,6 +1251,22 @@ mod tests {
         }
         let default = Config::parse("[[models]]\nname = \"m\"\npath = \"a\"\n").unwrap();
         assert_eq!(default.models[0].device, ModelDevice::Cpu);
+    }
+
+    #[test]
+    fn gpu_settings_default_to_graphs_on_and_normal_priority() {
+        let model = |extra: &str| {
+            Config::parse(&format!("[[models]]\nname = \"m\"\npath = \"a\"\n{extra}"))
+                .map(|c| (c.models[0].cuda_graphs, c.models[0].stream_priority))
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(model(""), Ok((true, StreamPriority::Normal)));
+        assert_eq!(
+            model("cuda_graphs = false\nstream_priority = \"high\"\n"),
+            Ok((false, StreamPriority::High))
+        );
+        let err = model("stream_priority = \"urgent\"\n").unwrap_err();
+        assert!(err.contains("urgent"), "{err}");
     }
 
     #[test]

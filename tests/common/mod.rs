@@ -538,6 +538,7 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         threads: 1,
         device: Default::default(),
         cuda_graphs: true,
+        stream_priority: Default::default(),
         kv_tokens: 4096,
         weights: tokenrouter::config::WeightPrecision::Stored,
         layers: None,

@@ -17,7 +17,7 @@ use super::sampling::{self, LogitStats};
 use super::step_inputs::{SequenceRows, StepInputs};
 use super::weights::{self, Hyperparams, LayerWeights, ModelWeights};
 use super::{SeqWork, StepExecutor, StepOutput};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, StreamPriority};
 use crate::error::{EngineError, EngineResult};
 use buffers::{DeviceInputs, HeadBuffers, StepBuffers};
 use cudarc::cublas::CudaBlas;
@@ -114,10 +114,13 @@ impl CudaExecutor {
         // SAFETY: everything this executor allocates is used and freed on this one stream,
         // so no cross-stream events are needed.
         unsafe { context.disable_event_tracking() };
-        let gpu = Gpu::new(
-            context.new_stream().map_err(gpu_error)?,
-            kernels::Kernels::load(&context)?,
-        );
+        let stream = match config.stream_priority {
+            StreamPriority::Normal => context.new_stream(),
+            StreamPriority::High => cudarc::driver::result::stream::get_priority_range()
+                .and_then(|(_, greatest)| context.new_stream_with_priority(greatest)),
+        }
+        .map_err(gpu_error)?;
+        let gpu = Gpu::new(stream, kernels::Kernels::load(&context)?);
         let weights = weights::load_weights(config)?;
         Self::new(
             &config.name,
