@@ -73,6 +73,24 @@ fn bad_input_gets_a_message_naming_the_problem() {
     let out = tokenrouter(&["generate", "--prompt", "hi", "--top-p", "1.5"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--top-p"));
+
+    let sim = [
+        "bench",
+        "engine",
+        "--config",
+        "config/paper-sim.toml",
+        "--cuda-graphs",
+    ];
+    let out = tokenrouter(&[&sim[..], &["on,off"]].concat());
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--cuda-graphs applies to a model on a GPU"),
+        "{err}"
+    );
+    let out = tokenrouter(&[&sim[..], &["maybe"]].concat());
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`maybe` is not `on` or `off`"));
 }
 
 #[test]
