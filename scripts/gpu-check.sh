@@ -18,7 +18,8 @@
 #                    CUDA graphs on and off, in Q4_1 and bf16, and the GPU pair's two models
 #                    stepping beside each other; or, with `formats` instead of `run`,
 #                    `bench engine` in every weight format)
-#   device call 3:   carry [".gpu/model.part-ab"], command: bash scripts/gpu-check.sh pair
+#   device call 3:   nothing to carry (the warm machine keeps the model), command:
+#                    bash scripts/gpu-check.sh pair
 #                    (config/gpu-pair.toml: `bench pair`, then `bench routing` against the LLM
 #                    alone)
 #
@@ -106,10 +107,16 @@ run | formats | pair)
         echo "nothing received: this is a fresh machine; run call 1 (receive) first" >&2
         exit 3
     }
-    cp .gpu/model.part-ab "$stash/"
     mkdir -p models "$out"
-    cat "$stash"/model.part-* > "$model"
-    echo "$(cat "$stash/model.sha256")  $model" | sha256sum --check
+    [ -f .gpu/model.part-ab ] && cp .gpu/model.part-ab "$stash/"
+    if ! echo "$(cat "$stash/model.sha256")  $model" | sha256sum --check --status 2>/dev/null; then
+        [ -f "$stash/model.part-ab" ] || {
+            echo "the model's second half was not carried (.gpu/model.part-ab)" >&2
+            exit 3
+        }
+        cat "$stash"/model.part-* > "$model"
+        echo "$(cat "$stash/model.sha256")  $model" | sha256sum --check
+    fi
     libraries > /dev/null
     bin="$stash/tokenrouter"
     status=0
