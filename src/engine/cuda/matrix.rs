@@ -692,6 +692,7 @@ impl ActivationScratch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::qmatmul::tests::{DENSE_FORMATS, INT8_FORMATS};
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
 
@@ -709,18 +710,7 @@ mod tests {
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
             .collect();
         let (first, second) = values.split_at(3 * k);
-        for dtype in [
-            GgmlDType::Q8_0,
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q5_0,
-            GgmlDType::Q5_1,
-            GgmlDType::Q4K,
-            GgmlDType::Q5K,
-            GgmlDType::Q6K,
-            GgmlDType::BF16,
-            GgmlDType::F16,
-        ] {
+        for dtype in INT8_FORMATS.into_iter().chain(DENSE_FORMATS) {
             let (a, b) = (weight(first, 3, k, dtype), weight(second, 2, k, dtype));
             assert!(storage(&a) == storage(&b), "{dtype:?}");
             let mut stacked = HostWeights::of(&a);

@@ -362,7 +362,7 @@ fn split(cols_per_task: usize) -> parallel::Split {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::Tensor;
 
@@ -533,7 +533,8 @@ mod tests {
         }
     }
 
-    const DENSE_FORMATS: [GgmlDType; 3] = [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16];
+    pub(crate) const DENSE_FORMATS: [GgmlDType; 3] =
+        [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16];
 
     /// Widths with a tail past the last full vector (8 and 16 lanes), column counts with a
     /// partial tile, and row counts covering every row tile.
@@ -587,7 +588,8 @@ mod tests {
         }
     }
 
-    const INT8_FORMATS: [GgmlDType; 8] = [
+    /// Every format with integer kernels.
+    pub(crate) const INT8_FORMATS: [GgmlDType; 8] = [
         GgmlDType::Q8_0,
         GgmlDType::Q4_0,
         GgmlDType::Q4_1,
