@@ -1,5 +1,7 @@
 // Causal attention of each new row over its own sequence's paged KV, for ragged batches: one
-// warp per (query head, row), grid (heads, rows). Positions go by in tiles of 32: lane j
+// thread block per (KV head, row), grid (kv_heads, rows), one warp per query head of the KV
+// head's group, so the group reads each key and value row from the same SM's cache (GQA).
+// Positions go by in tiles of 32: lane j
 // scores the tile's position j (a whole dot product with the query, kept in shared memory),
 // the tile's terms fold into an online softmax, and the lanes, split over the head dimensions,
 // add the tile's values. So a position costs a lane's dot product, not a warp reduction, and
@@ -14,10 +16,13 @@ extern "C" __global__ void paged_attention(const float* q, const unsigned short*
                                            const int* block_table, long long layer_offset,
                                            int heads, int kv_heads, int head_dim, float scale,
                                            int window) {
-    __shared__ float query[32 * MAX_DIMS_PER_LANE];
-    const int head = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
-    const int kv_head = head / (heads / kv_heads);
+    // The group's queries, `head_dim` floats per warp (the launch sizes it).
+    extern __shared__ float queries[];
+    const int kv_head = blockIdx.x, row = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int head = kv_head * (heads / kv_heads) + warp;
     const int kv_dim = kv_heads * head_dim;
+    float* query = queries + warp * head_dim;
     const float* q_row = q + ((long long)row * heads + head) * head_dim;
     for (int d = lane; d < head_dim; d += 32) query[d] = q_row[d];
     __syncwarp();

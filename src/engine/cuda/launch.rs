@@ -346,12 +346,15 @@ impl Gpu {
             .arg(&dim_arg)
             .arg(&scale)
             .arg(&window);
+        // A block per KV head and row, a warp per query head of its group.
+        let group = (heads / kv_heads) as u32;
         let config = LaunchConfig {
-            grid_dim: (heads as u32, rows as u32, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (kv_heads as u32, rows as u32, 1),
+            block_dim: (32 * group, 1, 1),
+            shared_mem_bytes: group * head_dim as u32 * 4,
         };
-        // SAFETY: each row's table covers its visible positions (`PagedKv::ensure`).
+        // SAFETY: each row's table covers its visible positions (`PagedKv::ensure`); the
+        // group's queries fit the shared memory asked for.
         unsafe { self.launch(launch, config) }
     }
 

@@ -29,6 +29,8 @@ use paged_kv::PagedKv;
 
 /// Head dimensions the attention kernel holds per warp (8 per lane).
 const MAX_HEAD_DIM: usize = 256;
+/// Query heads sharing a KV head: the attention kernel's warps per block (32 at most).
+const MAX_HEADS_PER_KV_HEAD: usize = 32;
 
 pub(crate) fn gpu_error(e: impl std::fmt::Display) -> EngineError {
     EngineError::Gpu(e.to_string())
@@ -142,10 +144,12 @@ impl CudaExecutor {
         if hp.head_dim > MAX_HEAD_DIM
             || !hp.head_dim.is_multiple_of(2)
             || !hp.heads.is_multiple_of(hp.kv_heads)
+            || hp.heads / hp.kv_heads > MAX_HEADS_PER_KV_HEAD
         {
             return Err(EngineError::Gpu(format!(
                 "model `{name}`: head_dim {} with {} heads over {} KV heads is not supported on \
-                 the GPU (head_dim even and at most {MAX_HEAD_DIM}, heads a multiple of KV heads)",
+                 the GPU (head_dim even and at most {MAX_HEAD_DIM}, heads a multiple of KV heads, \
+                 at most {MAX_HEADS_PER_KV_HEAD} per KV head)",
                 hp.head_dim, hp.heads, hp.kv_heads
             )));
         }
