@@ -110,10 +110,12 @@ extern "C" __global__ void quantize_q8(const float* x, signed char* quants, floa
 
 // RMSNorm fused with the quantization of its output (the next matmuls' input): one thread
 // block per row of `dim`, its warps over the row's units after the block's sum of squares
-// (the sum `rms_norm` takes, in its order).
+// (the sum `rms_norm` takes, in its order). Where `keep`, the normed rows go to `normed` too
+// (the output head's hidden states).
 extern "C" __global__ void rms_norm_quantize_q8(const float* x, const float* weight, float eps,
                                                 int dim, signed char* quants, float* scales,
-                                                float* scaled_sums, int format) {
+                                                float* scaled_sums, int format, float* normed,
+                                                int keep) {
     const long long row = blockIdx.x;
     const float* xr = x + row * dim;
     float squares = 0.0f;
@@ -124,6 +126,9 @@ extern "C" __global__ void rms_norm_quantize_q8(const float* x, const float* wei
     for (int u = threadIdx.x / 32; u < units; u += blockDim.x / 32)
         quantize_unit(SOURCE_NORMED, x, weight, scale, dim, quants, scales, scaled_sums,
                       row * units + u, format);
+    if (keep)
+        for (int i = threadIdx.x; i < dim; i += blockDim.x)
+            normed[row * dim + i] = xr[i] * scale * weight[i];
 }
 
 // The output element out[row, col] one warp of a qmatmul computes, its lanes taking every 32nd

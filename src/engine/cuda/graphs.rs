@@ -1,7 +1,7 @@
 //! Decode steps replayed as CUDA graphs: the whole step (embedding lookup to the logits'
 //! statistics) captured once per bucket of rows (`step_inputs::DECODE_BUCKETS`) over buffers
 //! it keeps, then replayed after one copy of the step's packed inputs. A small model's step is
-//! hundreds of kernel launches (305 for the shipped 135M model), whose host-side cost a replay
+//! hundreds of kernel launches (304 for the shipped 135M model), whose host-side cost a replay
 //! pays once.
 
 use super::buffers::{DeviceInputs, HeadBuffers, StepBuffers};

@@ -336,7 +336,7 @@ impl Projection {
         &self,
         gpu: &Gpu,
         blas: Option<&CudaBlas>,
-        input: Activations,
+        mut input: Activations,
         rows: usize,
         scratch: &mut ActivationScratch,
         out: &mut CudaSlice<f32>,
@@ -350,7 +350,7 @@ impl Projection {
             .flatten();
         let x = match fused {
             Some(format) => {
-                scratch.quantize(gpu, &input, rows, first.k_in, format)?;
+                scratch.quantize(gpu, &mut input, rows, first.k_in, format)?;
                 None
             }
             None => {
@@ -405,7 +405,7 @@ impl DeviceMatrix {
         scratch: &mut ActivationScratch,
     ) -> EngineResult<()> {
         if let Some(format) = self.activations {
-            scratch.quantize(gpu, &Activations::Plain(x), rows, self.k_in, format)?;
+            scratch.quantize(gpu, &mut Activations::Plain(x), rows, self.k_in, format)?;
         }
         if matches!(self.weights, Weights::Bf16(_)) {
             let bf16 = scratch.bf16.as_mut().ok_or_else(missing_scratch)?;
@@ -583,12 +583,13 @@ fn missing_scratch() -> EngineError {
 /// quantizes it where the matrices take 8-bit activations, else materialized in f32 first.
 pub enum Activations<'a> {
     Plain(&'a CudaSlice<f32>),
-    /// `x` RMS-normed by `weight` (into `normed` where materialized).
+    /// `x` RMS-normed by `weight`, into `normed` where materialized or where `keep`.
     Normed {
         x: &'a CudaSlice<f32>,
         weight: &'a CudaSlice<f32>,
         eps: f32,
         normed: &'a mut CudaSlice<f32>,
+        keep: bool,
     },
     /// A gated MLP's `act(gate) · up` from the stacked gate/up rows (SiLU, or Gemma's GELU;
     /// into `out` where materialized).
@@ -610,6 +611,7 @@ impl<'a> Activations<'a> {
                 weight,
                 eps,
                 normed,
+                ..
             } => {
                 gpu.rms_norm(x, weight, eps, normed)?;
                 Ok(normed)
@@ -628,7 +630,7 @@ impl ActivationScratch {
     fn quantize(
         &mut self,
         gpu: &Gpu,
-        input: &Activations,
+        input: &mut Activations,
         rows: usize,
         k_in: usize,
         format: ActivationFormat,
@@ -648,25 +650,34 @@ impl ActivationScratch {
             .ok_or_else(missing_scratch)?;
         // SOURCE_PLAIN, SOURCE_SILU, SOURCE_GELU in `kernels/quant.cu`.
         let (x, source) = match input {
-            Activations::Normed { x, weight, eps, .. } => {
-                let dim = k_in as i32;
+            Activations::Normed {
+                x,
+                weight,
+                eps,
+                normed,
+                keep,
+            } => {
+                let (dim, keep) = (k_in as i32, *keep as i32);
                 let mut launch = gpu.stream.launch_builder(&gpu.kernels.rms_norm_quantize_q8);
                 launch
                     .arg(*x)
                     .arg(*weight)
-                    .arg(eps)
+                    .arg(&*eps)
                     .arg(&dim)
                     .arg(&mut out.quants)
                     .arg(&mut out.scales)
                     .arg(&mut out.scaled_sums)
-                    .arg(&format_arg);
+                    .arg(&format_arg)
+                    .arg(&mut **normed)
+                    .arg(&keep);
                 let config = LaunchConfig {
                     grid_dim: (rows as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                // SAFETY: x holds rows · k_in floats, weight k_in, the scratch at least as
-                // many quants and a scale per block; 256 threads per row, as `rms_norm`'s.
+                // SAFETY: x (and normed) hold rows · k_in floats, weight k_in, the scratch at
+                // least as many quants and a scale per block; 256 threads per row, as
+                // `rms_norm`'s.
                 return unsafe { gpu.launch(launch, config) };
             }
             Activations::Plain(x) => (&**x, 0i32),

@@ -302,9 +302,14 @@ impl DeviceModel {
         head: &mut HeadBuffers,
     ) -> EngineResult<()> {
         let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
-        // Normed on its own: the normed rows are an output too (the policies' hidden states).
-        gpu.rms_norm(last, &self.final_norm, hp.rms_eps, &mut head.normed)?;
-        let input = Activations::Plain(&head.normed);
+        // The normed rows are an output too (the policies' hidden states).
+        let input = Activations::Normed {
+            x: last,
+            weight: &self.final_norm,
+            eps: hp.rms_eps,
+            normed: &mut head.normed,
+            keep: true,
+        };
         self.lm_head
             .matmul(gpu, blas, input, seqs, scratch, &mut head.logits, false)?;
         gpu.logit_stats(&head.logits, seqs, &mut head.stats, &mut head.argmax)
@@ -371,6 +376,7 @@ impl DeviceModel {
             weight: &w.attn_norm,
             eps: hp.rms_eps,
             normed: &mut buf.h,
+            keep: false,
         };
         w.qkv.matmul(
             gpu,
@@ -433,6 +439,7 @@ impl DeviceModel {
             weight: &w.ffn_norm,
             eps: hp.rms_eps,
             normed: &mut buf.h,
+            keep: false,
         };
         w.gate_up.matmul(
             gpu,
