@@ -206,9 +206,7 @@ impl CudaExecutor {
             kernels_last_step: 0,
         })
     }
-}
 
-impl CudaExecutor {
     /// The decode buckets whose graphs this executor has captured (none with graphs off or
     /// after a failed capture).
     pub fn captured_graph_buckets(&self) -> Vec<usize> {
@@ -369,24 +367,8 @@ impl DeviceModel {
         paged: &mut PagedKv,
         buf: &mut StepBuffers,
     ) -> EngineResult<()> {
-        let (hp, gpu, blas) = (&self.hp, &self.gpu, self.blas.as_ref());
-        let rows = buf.rows;
-        let normed = Activations::Normed {
-            x: &buf.x,
-            weight: &w.attn_norm,
-            eps: hp.rms_eps,
-            normed: &mut buf.h,
-            keep: false,
-        };
-        w.qkv.matmul(
-            gpu,
-            blas,
-            normed,
-            rows,
-            &mut buf.scratch,
-            &mut buf.qkv,
-            false,
-        )?;
+        let (hp, gpu) = (&self.hp, &self.gpu);
+        self.project_normed(&w.attn_norm, &w.qkv, Sublayer::Attention, buf)?;
         if let Some(bias) = &w.qkv_bias {
             gpu.add_bias_rows(&mut buf.qkv, bias)?;
         }
@@ -434,23 +416,33 @@ impl DeviceModel {
         )?;
         self.residual(&w.wo, &w.post_attn_norm, Sublayer::Attention, buf)?;
 
-        let normed = Activations::Normed {
+        self.project_normed(&w.ffn_norm, &w.gate_up, Sublayer::Mlp, buf)?;
+        self.residual(&w.w_down, &w.post_ffn_norm, Sublayer::Mlp, buf)
+    }
+
+    /// A sublayer's input projection (q/k/v, or gate/up) of the residual stream RMS-normed by
+    /// `norm`: the norm fused with the quantization where the projection takes 8-bit
+    /// activations.
+    fn project_normed(
+        &self,
+        norm: &CudaSlice<f32>,
+        w: &Projection,
+        sublayer: Sublayer,
+        buf: &mut StepBuffers,
+    ) -> EngineResult<()> {
+        let out = match sublayer {
+            Sublayer::Attention => &mut buf.qkv,
+            Sublayer::Mlp => &mut buf.gate_up,
+        };
+        let input = Activations::Normed {
             x: &buf.x,
-            weight: &w.ffn_norm,
-            eps: hp.rms_eps,
+            weight: norm,
+            eps: self.hp.rms_eps,
             normed: &mut buf.h,
             keep: false,
         };
-        w.gate_up.matmul(
-            gpu,
-            blas,
-            normed,
-            rows,
-            &mut buf.scratch,
-            &mut buf.gate_up,
-            false,
-        )?;
-        self.residual(&w.w_down, &w.post_ffn_norm, Sublayer::Mlp, buf)
+        let (gpu, blas) = (&self.gpu, self.blas.as_ref());
+        w.matmul(gpu, blas, input, buf.rows, &mut buf.scratch, out, false)
     }
 
     /// `x += out · W` for a sublayer's output projection (of the attention's output, or of
@@ -491,7 +483,7 @@ impl DeviceModel {
     }
 }
 
-/// Which sublayer's output a projection reads.
+/// Which sublayer a projection belongs to (where its input or output lies).
 #[derive(Clone, Copy)]
 enum Sublayer {
     Attention,
