@@ -387,9 +387,11 @@ fn an_unknown_policy_kind_is_named_with_the_known_kinds() {
 /// an empty directory it still finds everything except the model, which it would fetch.
 #[test]
 fn a_binary_in_an_empty_directory_uses_its_carried_config() {
-    let dir = tempfile::tempdir().unwrap();
+    // A hard link, not a copy: a copy's write handle, inherited by a process another test forks
+    // meanwhile, makes executing it fail with "Text file busy" (ETXTBSY).
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let binary = dir.path().join("tokenrouter");
-    std::fs::copy(env!("CARGO_BIN_EXE_tokenrouter"), &binary).unwrap();
+    std::fs::hard_link(env!("CARGO_BIN_EXE_tokenrouter"), &binary).unwrap();
     let out = Command::new(&binary)
         .current_dir(dir.path())
         .args(["models", "list", "--json"])
