@@ -530,6 +530,12 @@ pub struct ModelConfig {
     /// `[a, c]` → a + c·batch ms (no `path` then); for checking scheduling on any machine.
     #[serde(default)]
     pub latency_profile_ms: Option<[f64; 2]>,
+    /// SIMULATION: with `latency_profile_ms`, a step costs a + c·Σ t·(1 + k·(context + (t −
+    /// 1)/2)) over its rows (t tokens after `context` positions; k this, a step profile's
+    /// `chunk.context_cost`) instead of a + c·rows, so prompts and chunks cost what the CPU
+    /// models' do.
+    #[serde(default)]
+    pub latency_context_cost: Option<f64>,
     /// Size of this model's own compute thread pool.
     #[serde(default = "default_threads")]
     pub threads: usize,
@@ -1087,6 +1093,12 @@ impl ModelConfig {
                 )
             }
             (Some(_), false) => return field("path", "a latency-profile simulation takes no path"),
+            (None, _) if self.latency_context_cost.is_some() => {
+                return field(
+                    "latency_context_cost",
+                    "prices a simulation's steps: it needs latency_profile_ms",
+                )
+            }
             (Some(l), true) if l.iter().any(|v| !v.is_finite() || *v < 0.0) => {
                 return field(
                     "latency_profile_ms",
@@ -1094,6 +1106,9 @@ impl ModelConfig {
                 )
             }
             _ => {}
+        }
+        if matches!(self.latency_context_cost, Some(k) if !k.is_finite() || k < 0.0) {
+            return field("latency_context_cost", "must be a non-negative number");
         }
         if self.kv_tokens == 0 {
             return field("kv_tokens", "must be at least 1");
@@ -1231,6 +1246,44 @@ mod tests {
             .to_string();
             assert!(err.contains(field), "{line}: {err}");
         }
+    }
+
+    #[test]
+    fn a_context_cost_needs_a_simulation_and_a_non_negative_number() {
+        let model = |fields: &str| format!("[[models]]\nname = \"m\"\n{fields}\n");
+        for fields in [
+            "path = \"a\"\nlatency_context_cost = 0.001",
+            "latency_profile_ms = [1.0, 1.0]\nlatency_context_cost = -0.001",
+        ] {
+            let err = Config::parse(&model(fields)).unwrap_err().to_string();
+            assert!(err.contains("models.m.latency_context_cost"), "{err}");
+        }
+        Config::parse(&model(
+            "latency_profile_ms = [1.0, 1.0]\nlatency_context_cost = 0.001",
+        ))
+        .unwrap();
+    }
+
+    /// The simulated CPU pair steps what the CPU pair's profiles say and schedules with
+    /// the same limits, so its long-prompt gaps are the CPU pair's scheduling without the noise.
+    #[test]
+    fn the_simulated_cpu_pair_is_priced_and_limited_as_the_cpu_pair() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let load = |name: &str| Config::load(&root.join("config").join(name)).unwrap();
+        let (real, simulated) = (load("cpu-pair.toml"), load("cpu-pair-sim.toml"));
+        assert_eq!(real.models.len(), simulated.models.len());
+        for (r, s) in real.models.iter().zip(&simulated.models) {
+            assert_eq!(r.name, s.name);
+            assert_eq!(r.step_limits(4).unwrap(), s.step_limits(4).unwrap(), "{}", r.name);
+            let profile = r.read_step_profile().unwrap().unwrap();
+            let [a, c] = s.latency_profile_ms.unwrap();
+            assert!((a - profile.fit.a_ms).abs() < 0.01, "{}: a {a}", r.name);
+            assert!((c - profile.fit.c_ms).abs() < 0.01, "{}: c {c}", r.name);
+            let k = s.latency_context_cost.unwrap();
+            assert!((k / profile.context_cost() - 1.0).abs() < 0.01, "{}: k {k}", r.name);
+        }
+        assert_eq!(real.runtime.mode, simulated.runtime.mode);
+        assert_eq!(real.runtime.batch_timeout_ms, simulated.runtime.batch_timeout_ms);
     }
 
     #[test]

@@ -150,6 +150,14 @@ fn settle_copy<E: StepExecutor + ?Sized>(
     }
 }
 
+/// What appending `tokens` after `context` positions costs, in tokens at context 0, where one
+/// token attending one more position costs `context_cost`: each token attends over the
+/// positions before it and itself. The step budget and the simulated executor price work alike.
+pub fn context_priced_tokens(context: usize, tokens: usize, context_cost: f64) -> f64 {
+    let (c, t) = (context as f64, tokens as f64);
+    t * (1.0 + context_cost * (c + (t - 1.0) / 2.0))
+}
+
 /// The executor a model entry asks for: on the CPU, or on a CUDA GPU (`device = "cuda:N"`).
 pub fn load_executor(config: &ModelConfig) -> EngineResult<Box<dyn StepExecutor>> {
     match config.device {

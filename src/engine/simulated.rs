@@ -1,11 +1,12 @@
 //! SIMULATION, not a model: the latency-profile executor. Each step sleeps L(b) = a + c·b ms
-//! for a batch of b sequences and reports routing signals drawn per (sequence, position):
+//! for a batch of b sequences (or a + c·Σ of its rows' tokens priced by their context, where a
+//! context cost is given) and reports routing signals drawn per (sequence, position):
 //! entropy and 1 − max probability uniform in [0, 1), so a threshold θ on either is crossed
 //! with probability 1 − θ. It lets the runtime's scheduling (actors, batchers, modes) be
 //! checked against the Markov model on any machine, with the same `StepExecutor` contract.
 
 use super::kv::{BlockCopy, KvStore, SeqId};
-use super::{LogitStats, SeqWork, StepExecutor, StepOutput};
+use super::{context_priced_tokens, LogitStats, SeqWork, StepExecutor, StepOutput};
 use crate::error::EngineResult;
 use std::time::{Duration, Instant};
 
@@ -16,12 +17,19 @@ pub struct LatencyProfileExecutor {
     name: String,
     a_ms: f64,
     c_ms: f64,
+    /// Prices a row by its tokens and context (`context_priced_tokens`); `None`: a row is 1.
+    context_cost: Option<f64>,
     salt: u64,
     kv: KvStore,
 }
 
 impl LatencyProfileExecutor {
-    pub fn new(name: &str, latency_ms: [f64; 2], kv_tokens: usize) -> Self {
+    pub fn new(
+        name: &str,
+        latency_ms: [f64; 2],
+        context_cost: Option<f64>,
+        kv_tokens: usize,
+    ) -> Self {
         let salt = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
         });
@@ -29,6 +37,7 @@ impl LatencyProfileExecutor {
             name: name.to_string(),
             a_ms: latency_ms[0],
             c_ms: latency_ms[1],
+            context_cost,
             salt,
             kv: KvStore::new(kv_tokens),
         }
@@ -83,10 +92,17 @@ impl StepExecutor for LatencyProfileExecutor {
 
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
         let start = Instant::now();
+        let rows = match self.context_cost {
+            Some(k) => work
+                .iter()
+                .map(|w| context_priced_tokens(self.kv.seq_len(w.seq), w.tokens.len(), k))
+                .sum(),
+            None => work.len() as f64,
+        };
         let reservations: Vec<(SeqId, usize)> =
             work.iter().map(|w| (w.seq, w.tokens.len())).collect();
         self.kv.reserve(&reservations)?;
-        let latency = self.a_ms + self.c_ms * work.len() as f64;
+        let latency = self.a_ms + self.c_ms * rows;
         sleep_until(start + Duration::from_secs_f64(latency.max(0.0) / 1000.0));
         Ok(work
             .iter()
@@ -132,7 +148,7 @@ mod tests {
 
     #[test]
     fn steps_take_the_profiled_latency_and_draws_are_uniform() {
-        let mut sim = LatencyProfileExecutor::new("sim", [2.0, 1.0], 1 << 20);
+        let mut sim = LatencyProfileExecutor::new("sim", [2.0, 1.0], None, 1 << 20);
         let work: Vec<SeqWork> = (0..3)
             .map(|seq| SeqWork {
                 seq: SeqId(seq),
@@ -157,5 +173,34 @@ mod tests {
         sim.free(SeqId(1));
         sim.free(SeqId(2));
         assert_eq!(sim.kv_usage().used_tokens, 0);
+    }
+
+    fn work(seq: u64, tokens: usize) -> SeqWork {
+        SeqWork {
+            seq: SeqId(seq),
+            tokens: vec![1; tokens],
+            sampling: SamplingParams::greedy(),
+            needs: Needs::default(),
+            filter: None,
+        }
+    }
+
+    /// With a context cost a step costs its rows' tokens, a late chunk more than an early one.
+    #[test]
+    fn with_a_context_cost_steps_cost_their_tokens_and_context() {
+        let timed = |sim: &mut LatencyProfileExecutor, work: &[SeqWork]| {
+            let start = Instant::now();
+            sim.step(work).unwrap();
+            start.elapsed().as_secs_f64() * 1e3
+        };
+        let mut sim = LatencyProfileExecutor::new("sim", [1.0, 0.5], Some(0.01), 1 << 20);
+        // 1 + 0.5 · 20 · (1 + 0.01 · 9.5) ms: 11.95.
+        let early = timed(&mut sim, &[work(0, 20)]);
+        // 20 more after those 20: 1 + 0.5 · 20 · (1 + 0.01 · 29.5) ms = 13.95; with a decode
+        // row of another sequence, + 0.5.
+        let late = timed(&mut sim, &[work(0, 20), work(1, 1)]);
+        // Sleeps only overshoot: without the context price they would end at 11 and 11.5 ms.
+        assert!(early >= 11.95, "{early} ms");
+        assert!(late >= 14.45, "{late} ms");
     }
 }

@@ -381,9 +381,12 @@ impl Runtime {
                         return Ok(None);
                     }
                     Ok(Some(match m.latency_profile_ms {
-                        Some(latency) => {
-                            Box::new(LatencyProfileExecutor::new(&m.name, latency, m.kv_tokens))
-                        }
+                        Some(latency) => Box::new(LatencyProfileExecutor::new(
+                            &m.name,
+                            latency,
+                            m.latency_context_cost,
+                            m.kv_tokens,
+                        )),
                         None => load_executor(m)?,
                     }))
                 },

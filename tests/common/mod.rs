@@ -535,6 +535,7 @@ pub fn model_config(name: &str, path: &Path) -> tokenrouter::config::ModelConfig
         name: name.into(),
         path: path.to_path_buf(),
         latency_profile_ms: None,
+        latency_context_cost: None,
         threads: 1,
         device: Default::default(),
         cuda_graphs: true,

@@ -1,6 +1,8 @@
 //! What one step of a model may take: a budget that prices each row by its tokens and the
 //! context they attend over, and the bound on how many steps a ready row may wait.
 
+use crate::engine::context_priced_tokens;
+
 /// A model's step limits, fixed for its lifetime.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct StepLimits {
@@ -25,11 +27,9 @@ impl StepLimits {
         }
     }
 
-    /// What appending `tokens` after `context` positions costs: each token attends over the
-    /// positions before it and itself.
+    /// What appending `tokens` after `context` positions costs.
     pub fn cost(&self, context: usize, tokens: usize) -> f64 {
-        let (c, t) = (context as f64, tokens as f64);
-        t * (1.0 + self.context_cost * (c + (t - 1.0) / 2.0))
+        context_priced_tokens(context, tokens, self.context_cost)
     }
 
     /// The most of `wanted` tokens after `context` positions that cost at most `left`.
