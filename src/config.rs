@@ -1274,16 +1274,28 @@ mod tests {
         assert_eq!(real.models.len(), simulated.models.len());
         for (r, s) in real.models.iter().zip(&simulated.models) {
             assert_eq!(r.name, s.name);
-            assert_eq!(r.step_limits(4).unwrap(), s.step_limits(4).unwrap(), "{}", r.name);
+            assert_eq!(
+                r.step_limits(4).unwrap(),
+                s.step_limits(4).unwrap(),
+                "{}",
+                r.name
+            );
             let profile = r.read_step_profile().unwrap().unwrap();
             let [a, c] = s.latency_profile_ms.unwrap();
             assert!((a - profile.fit.a_ms).abs() < 0.01, "{}: a {a}", r.name);
             assert!((c - profile.fit.c_ms).abs() < 0.01, "{}: c {c}", r.name);
             let k = s.latency_context_cost.unwrap();
-            assert!((k / profile.context_cost() - 1.0).abs() < 0.01, "{}: k {k}", r.name);
+            assert!(
+                (k / profile.context_cost() - 1.0).abs() < 0.01,
+                "{}: k {k}",
+                r.name
+            );
         }
         assert_eq!(real.runtime.mode, simulated.runtime.mode);
-        assert_eq!(real.runtime.batch_timeout_ms, simulated.runtime.batch_timeout_ms);
+        assert_eq!(
+            real.runtime.batch_timeout_ms,
+            simulated.runtime.batch_timeout_ms
+        );
     }
 
     #[test]
