@@ -179,6 +179,12 @@ impl ModelActor {
         }));
         let end = Instant::now();
         drop(guard);
+        tracing::trace!(
+            wait_ms = (start - entered).as_secs_f64() * 1e3,
+            run_ms = (end - start).as_secs_f64() * 1e3,
+            rows = ?plan.work.iter().map(|w| (w.seq.0, w.tokens.len())).collect::<Vec<_>>(),
+            "stepped: (sequence, tokens) per row"
+        );
         match result {
             Err(panic) => {
                 let what = panic
