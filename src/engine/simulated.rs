@@ -92,7 +92,8 @@ impl StepExecutor for LatencyProfileExecutor {
 
     fn step(&mut self, work: &[SeqWork]) -> EngineResult<Vec<StepOutput>> {
         let start = Instant::now();
-        let rows = match self.context_cost {
+        // What c multiplies: the rows, or their tokens priced by their context.
+        let units = match self.context_cost {
             Some(k) => work
                 .iter()
                 .map(|w| context_priced_tokens(self.kv.seq_len(w.seq), w.tokens.len(), k))
@@ -102,7 +103,7 @@ impl StepExecutor for LatencyProfileExecutor {
         let reservations: Vec<(SeqId, usize)> =
             work.iter().map(|w| (w.seq, w.tokens.len())).collect();
         self.kv.reserve(&reservations)?;
-        let latency = self.a_ms + self.c_ms * rows;
+        let latency = self.a_ms + self.c_ms * units;
         sleep_until(start + Duration::from_secs_f64(latency.max(0.0) / 1000.0));
         Ok(work
             .iter()
@@ -149,15 +150,7 @@ mod tests {
     #[test]
     fn steps_take_the_profiled_latency_and_draws_are_uniform() {
         let mut sim = LatencyProfileExecutor::new("sim", [2.0, 1.0], None, 1 << 20);
-        let work: Vec<SeqWork> = (0..3)
-            .map(|seq| SeqWork {
-                seq: SeqId(seq),
-                tokens: vec![1, 2],
-                sampling: SamplingParams::greedy(),
-                needs: Needs::default(),
-                filter: None,
-            })
-            .collect();
+        let work: Vec<SeqWork> = (0..3).map(|seq| work(seq, 2)).collect();
         let start = Instant::now();
         let out = sim.step(&work).unwrap();
         assert!(start.elapsed() >= Duration::from_millis(5), "2 + 1·3 ms");
